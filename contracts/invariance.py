@@ -1,0 +1,122 @@
+"""The batch-invariance switch and the seed contract: the one place these rules live.
+
+Nothing here imports torch: these rules run at admission, before any replica
+(or any accelerator) is involved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+# The range torch.Generator.manual_seed accepts (it takes int64 and uint64 values).
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+
+Stage = Literal["llm", "diffusion"]
+
+#: vLLM's global switch; each stage follows it unless its own variable is set.
+GLOBAL_SWITCH = "VLLM_BATCH_INVARIANT"
+#: Each stage's own switch, overriding the global one in either direction.
+STAGE_SWITCHES: dict[str, str] = {
+    "llm": "OMNI_LLM_BATCH_INVARIANT",
+    "diffusion": "OMNI_DIFFUSION_BATCH_INVARIANT",
+}
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class SeedContractError(ValueError):
+    """A request breaks the seed contract that batch invariance relies on."""
+
+    def __init__(self, violations: list[str], param: str | None = None):
+        self.violations = list(violations)
+        # The first offending field, for error bodies that name one parameter.
+        self.param = param
+        super().__init__("batch invariance is on: " + "; ".join(self.violations))
+
+
+def parse_switch(name: str, value: str) -> bool:
+    """Parse one switch value: 1/true/yes/on or 0/false/no/off (stripped, any case)."""
+    normalized = value.strip().lower()
+    if normalized in _TRUE:
+        return True
+    if normalized in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={value!r} is not a valid switch value; use one of "
+        "1/true/yes/on or 0/false/no/off"
+    )
+
+
+def resolve_batch_invariant(
+    stage: str,
+    environ: Mapping[str, str] | None = None,
+    override: bool | None = None,
+) -> bool:
+    """Decide whether `stage` runs batch-invariant.
+
+    Precedence: an explicit `override` (the app config) wins; else the stage's own
+    variable; else vLLM's global `VLLM_BATCH_INVARIANT`; else off.
+    """
+    if stage not in STAGE_SWITCHES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {sorted(STAGE_SWITCHES)}")
+    if override is not None:
+        if not isinstance(override, bool):
+            raise TypeError(f"override must be True, False or None, not {override!r}")
+        return override
+    env = os.environ if environ is None else environ
+    for name in (STAGE_SWITCHES[stage], GLOBAL_SWITCH):
+        if name in env:
+            return parse_switch(name, env[name])
+    return False
+
+
+def is_valid_seed(seed: Any) -> bool:
+    """A seed is a real int (never a bool) inside [MIN_SEED, MAX_SEED]."""
+    return isinstance(seed, int) and not isinstance(seed, bool) and MIN_SEED <= seed <= MAX_SEED
+
+
+def _field(params: Any, name: str) -> Any:
+    if isinstance(params, Mapping):
+        return params.get(name)
+    return getattr(params, name, None)
+
+
+# Inputs that take the initial noise or the trajectory out of the seed's hands.
+_SEED_OVERRIDES = {
+    "generator": "a generator cannot cross an actor boundary; pass seed=<int> instead",
+    "generator_device": "generator_device changes the noise stream; the seed alone must decide it",
+    "latents": "caller latents mean the seed no longer decides the initial noise",
+    "sigmas": "caller sigmas rewrite the schedule the seeded trajectory follows",
+}
+
+
+def validate_seed_contract(params: Any, *, batch_invariant: bool) -> None:
+    """Raise SeedContractError listing every violation when invariance is on.
+
+    `params` is a sampling-params model, a mapping, or any object with the fields.
+    Greedy LLM requests (temperature 0) draw no random numbers, so they need no seed.
+    With invariance off this accepts whatever the model accepts.
+    """
+    if not batch_invariant:
+        return
+    violations: list[str] = []
+    first: str | None = None
+    seed = _field(params, "seed")
+    greedy = _field(params, "temperature") == 0
+    if seed is None:
+        if not greedy:
+            violations.append("seed is required: pass an integer seed")
+            first = "seed"
+    elif not is_valid_seed(seed):
+        violations.append(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {seed!r}")
+        first = "seed"
+    for name, why in _SEED_OVERRIDES.items():
+        if _field(params, name) is not None:
+            violations.append(f"{name} is not allowed: {why}")
+            first = first or name
+    if violations:
+        raise SeedContractError(violations, param=first)
