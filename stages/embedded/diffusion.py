@@ -1,0 +1,266 @@
+"""Tiny diffusion pipelines: real diffusers classes and configs, small random weights, no download.
+
+Two kinds, both real architectures a serving stage meets in production:
+  "unet": StableDiffusionPipeline   (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, EulerDiscreteScheduler)
+  "dit":  StableDiffusion3Pipeline  (SD3Transformer2DModel, AutoencoderKL with 16 latent channels,
+                                     two CLIPTextModelWithProjection, no T5, FlowMatchEulerDiscreteScheduler)
+Shapes follow diffusers' own fast-test dummy components, except that both VAEs have four levels and so
+downsample 8x like the real ones: a 256x256 image stays cheap (32x32 latents), and any height/width that
+is a multiple of 16 (VAE 8x times SD3's patch 2) works for both kinds.
+
+`tiny_pipeline_path(kind)` builds a pipeline once from a fixed seed, saves it under `cache_root()`
+and returns the directory; `load_tiny_pipeline(kind)` loads it from there with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DiffusionPipeline,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from safetensors import safe_open
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+from stages.embedded import cache_root
+
+KINDS = ("unet", "dit")
+MODEL_IDS = {"unet": "omniserve/tiny-sd-unet", "dit": "omniserve/tiny-sd3-dit"}
+
+SEED = 0
+# Bump when a recipe below changes: the cache directory name carries it, so old builds are never reused.
+RECIPE_VERSION = 1
+MARKER_FILE = "omniserve.json"
+LIBRARIES = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")
+MAX_PROMPT_TOKENS = 77
+
+# Seeding uses the process-wide RNG: one build at a time per process, whatever the threads.
+_BUILD_LOCK = threading.Lock()
+# from_pretrained rejects SD3's saved [null, null] T5 entries unless the absence is stated again at load.
+_ABSENT_COMPONENTS = {"unet": {}, "dit": {"text_encoder_3": None, "tokenizer_3": None}}
+
+
+def tiny_pipeline_path(kind: str) -> Path:
+    """The directory holding the built `kind` pipeline; builds it on first use, reuses it after."""
+    target = cache_root() / f"{MODEL_IDS[_checked(kind)].replace('/', '--')}-v{RECIPE_VERSION}"
+    if _is_complete(target):
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target, then one atomic rename: a concurrent replica sees all of it or nothing.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the cache from replicas running as another user
+    try:
+        _build(kind).save_pretrained(staging)
+        _write_marker(staging, kind)
+        try:
+            os.rename(staging, target)
+        except OSError as error:
+            if not _is_complete(target):
+                message = f"cannot place the build at {target} (a directory without {MARKER_FILE}?)"
+                raise RuntimeError(message) from error
+            # Another process finished first; its build is identical, ours is discarded below.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_tiny_pipeline(kind: str, dtype: torch.dtype = torch.float32) -> DiffusionPipeline:
+    """The `kind` pipeline, loaded from its cache directory only (never the network)."""
+    path = tiny_pipeline_path(kind)
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **_ABSENT_COMPONENTS[kind])
+    # Without `accelerate`, diffusers 0.42 keeps SD3's fp32 checkpoint tensors: its dtype check reads an fp32 buffer.
+    pipe.to(dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _checked(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {KINDS}")
+    return kind
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / MARKER_FILE).is_file()
+
+
+def _build(kind: str) -> DiffusionPipeline:
+    # fork_rng: seeding for the build must not move the caller's global RNG.
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+        return _build_unet_pipeline() if kind == "unet" else _build_dit_pipeline()
+
+
+def _seeded(component_index: int) -> None:
+    """Seed before each component, so each one's weights depend on SEED and its own recipe only."""
+    torch.manual_seed(SEED + component_index)
+
+
+def _build_unet_pipeline() -> StableDiffusionPipeline:
+    _seeded(0)
+    unet = UNet2DConditionModel(
+        sample_size=8,  # latent side of the default 64x64 image
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        cross_attention_dim=32,
+        norm_num_groups=8,
+    )
+    _seeded(1)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(32, 64, 64, 64),  # four levels: the 8x downsampling of the real SD VAE
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        scaling_factor=0.18215,
+    )
+    _seeded(2)
+    text_encoder = CLIPTextModel(_clip_config())
+    # Stable Diffusion 1.x's own scheduler settings.
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_byte_level_clip_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def _build_dit_pipeline() -> StableDiffusion3Pipeline:
+    clip_width, clip_projection = 32, 32
+    _seeded(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=8,  # latent side of the default 64x64 image
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=2 * clip_width,  # the two CLIP hidden states side by side (T5 would be padded to it)
+        pooled_projection_dim=2 * clip_projection,  # the two pooled CLIP projections, concatenated
+        pos_embed_max_size=32,  # up to 32x32 patches: images up to 512x512
+    )
+    _seeded(1)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(32, 64, 64, 64),
+        layers_per_block=1,
+        latent_channels=16,  # what the SD3 transformer takes
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,  # the SD3 VAE's latent normalisation
+        scaling_factor=1.5035,
+    )
+    _seeded(2)
+    text_encoder = CLIPTextModelWithProjection(_clip_config(projection_dim=clip_projection))
+    _seeded(3)
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(projection_dim=clip_projection))
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # SD3's own shift
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_byte_level_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=_byte_level_clip_tokenizer(),
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+
+
+def _byte_level_vocab() -> dict[str, int]:
+    """CLIP's vocabulary layout without learned merges: 256 byte symbols, their end-of-word forms, then specials."""
+    # GPT-2/CLIP byte-to-unicode table: printable bytes map to themselves, the rest to code points from 256 up.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    unprintable = [b for b in range(256) if b not in printable]
+    symbols = [chr(b) for b in printable] + [chr(256 + i) for i in range(len(unprintable))]
+    tokens = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
+    return {token: index for index, token in enumerate(tokens)}
+
+
+def _byte_level_clip_tokenizer() -> CLIPTokenizer:
+    # No merges: every character is one token; any text tokenizes, long prompts truncate to 77.
+    return CLIPTokenizer(vocab=_byte_level_vocab(), merges=[], model_max_length=MAX_PROMPT_TOKENS)
+
+
+def _clip_config(projection_dim: int | None = None) -> CLIPTextConfig:
+    vocab = _byte_level_vocab()
+    extra = {} if projection_dim is None else {"projection_dim": projection_dim}
+    return CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_PROMPT_TOKENS,
+        layer_norm_eps=1e-5,
+        hidden_act="gelu",
+        # The tokenizer's real ids: pooling reads the hidden state at the first end-of-text token.
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+        **extra,
+    )
+
+
+def _write_marker(directory: Path, kind: str) -> None:
+    """Written last: its presence means the build in `directory` is complete."""
+    metadata = {
+        "model_id": MODEL_IDS[kind],
+        "kind": kind,
+        "seed": SEED,
+        "recipe_version": RECIPE_VERSION,
+        "versions": {name: version(name) for name in LIBRARIES},
+        "weights_sha256": weights_fingerprint(directory),
+    }
+    (directory / MARKER_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+
+
+def weights_fingerprint(directory: Path) -> str:
+    """sha256 over every saved tensor (file, name, dtype, shape, bytes) in a stable order."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*.safetensors")):
+        with safe_open(path, framework="np") as weights:
+            for name in sorted(weights.keys()):
+                array = weights.get_tensor(name)
+                digest.update(f"{path.relative_to(directory)}:{name}:{array.dtype}:{array.shape}\n".encode())
+                digest.update(array.tobytes())
+    return digest.hexdigest()

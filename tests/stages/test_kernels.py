@@ -1,0 +1,255 @@
+"""The CPU batch-invariant kernels: a sample's result never depends on the rest of the batch.
+
+Each invariance check has a control: the same check with stock kernels must fail on
+this machine kind, or the check proves nothing.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stages.kernels import (
+    KernelReport,
+    batch_invariant_kernels,
+    current_report,
+    disable_batch_invariant_kernels,
+    enable_batch_invariant_kernels,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _stock_kernels_after_each_test():
+    yield
+    disable_batch_invariant_kernels()
+
+
+def _in_batch(fn, sample, others, position):
+    """fn applied to a batch holding `sample` at `position` among `others`; returns that sample's output."""
+    batch = torch.cat([others[:position], sample, others[position:]])
+    return fn(batch)[position : position + 1]
+
+
+def _varies(fn, make, sizes=(1, 2, 3, 4, 5, 8), seed=0):
+    """True if the first sample's output differs between any two batch sizes (or positions)."""
+    gen = torch.Generator().manual_seed(seed)
+    sample, others = make(1, gen), make(max(sizes), gen)
+    solo = fn(sample)
+    for size in sizes[1:]:
+        for position in {0, size // 2, size - 1}:
+            if not torch.equal(_in_batch(fn, sample, others[: size - 1], position), solo):
+                return True
+    return False
+
+
+def linear_case(dtype, k=320, n=1280, rows=1):
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dtype)
+    fn = lambda x: F.linear(x, weight, bias)  # noqa: E731
+    make = lambda count, gen: torch.randn(count, rows, k, generator=gen).to(dtype)  # noqa: E731
+    return fn, make
+
+
+def conv_case(dtype, cin=4, cout=32, size=16):
+    weight = torch.randn(cout, cin, 3, 3, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(cout, generator=torch.Generator().manual_seed(4)).to(dtype)
+    fn = lambda x: F.conv2d(x, weight, bias, padding=1)  # noqa: E731
+    make = lambda count, gen: torch.randn(count, cin, size, size, generator=gen).to(dtype)  # noqa: E731
+    return fn, make
+
+
+def group_norm_case(dtype, channels=64, groups=32, size=32, channels_last=True):
+    weight = torch.randn(channels, generator=torch.Generator().manual_seed(5)).to(dtype)
+    bias = torch.randn(channels, generator=torch.Generator().manual_seed(6)).to(dtype)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    fn = lambda x: F.group_norm(x.contiguous(memory_format=fmt), groups, weight, bias)  # noqa: E731
+    make = lambda count, gen: torch.randn(count, channels, size, size, generator=gen).to(dtype)  # noqa: E731
+    return fn, make
+
+
+def bmm_case(dtype, m=64, k=40, n=64):
+    fn = lambda x: torch.bmm(x[:, :m], x[:, m:].transpose(1, 2))  # noqa: E731
+    make = lambda count, gen: torch.randn(count, m + n, k, generator=gen).to(dtype)  # noqa: E731
+    return fn, make
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def test_kernels_cpu_report_names_what_it_installed():
+    report = enable_batch_invariant_kernels("cpu")
+    assert isinstance(report, KernelReport)
+    assert report.installed and report.backend == "cpu"
+    for op in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::native_group_norm"):
+        assert op in report.ops
+    assert enable_batch_invariant_kernels("cpu") is report  # idempotent
+    assert current_report() is report
+
+
+def test_kernels_unsupported_device_installs_nothing_and_says_why():
+    report = enable_batch_invariant_kernels("meta")
+    assert not report.installed and report.backend == "none" and report.ops == []
+    assert "meta" in report.reason
+    # Nothing was installed, so the CPU still runs stock kernels: the control still varies.
+    assert _varies(*linear_case(torch.float32))
+
+
+def test_kernels_disabled_report_claims_nothing():
+    disable_batch_invariant_kernels()
+    report = current_report()
+    assert not report.installed and report.ops == []
+
+
+# --- on/off is exact -----------------------------------------------------------------------
+
+
+def _stock_outputs():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 320, generator=gen)
+    w = torch.randn(1280, 320, generator=gen)
+    img = torch.randn(1, 4, 16, 16, generator=gen)
+    cw = torch.randn(32, 4, 3, 3, generator=gen)
+    return [
+        F.linear(x, w),
+        torch.mm(x[:1], w.t()),
+        torch.bmm(x[None], w[None].transpose(1, 2)),
+        F.conv2d(img, cw, padding=1),
+        F.group_norm(torch.randn(1, 64, 32, 32, generator=gen).contiguous(memory_format=torch.channels_last), 32),
+    ]
+
+
+def test_kernels_disable_restores_stock_results_exactly():
+    before = _stock_outputs()
+    enable_batch_invariant_kernels("cpu")
+    during = _stock_outputs()
+    disable_batch_invariant_kernels()
+    after = _stock_outputs()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    # The overrides really were active in between: some results differ in the low bits.
+    assert any(not torch.equal(a, b) for a, b in zip(before, during))
+
+
+def test_kernels_context_manager_restores_the_previous_state():
+    with batch_invariant_kernels() as report:
+        assert report.installed and current_report().installed
+    assert not current_report().installed
+    enable_batch_invariant_kernels()
+    with batch_invariant_kernels():
+        pass
+    assert current_report().installed  # it was on before the block, so it stays on
+
+
+# --- invariance, with controls ---------------------------------------------------------------
+
+CASES = {
+    "linear": linear_case,
+    "linear_rows": lambda dtype: linear_case(dtype, k=32, n=32, rows=7),
+    "conv_in3": lambda dtype: conv_case(dtype, cin=3, size=32),
+    "conv_in4": conv_case,
+    "conv_wide": lambda dtype: conv_case(dtype, cin=32, cout=32, size=8),
+    "group_norm_channels_last": group_norm_case,
+    "group_norm_contiguous": lambda dtype: group_norm_case(dtype, channels=32, groups=4, size=8, channels_last=False),
+    "bmm": bmm_case,
+}
+# Stock kernels vary on this machine kind for these (measured); each is a control for its case.
+STOCK_VARIES = {("linear", torch.float32), ("conv_in3", torch.float32), ("conv_in4", torch.float32),
+                ("conv_wide", torch.float32), ("group_norm_channels_last", torch.float32),
+                ("group_norm_channels_last", torch.bfloat16)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_on_every_position_and_batch_size_gives_the_solo_bits(case, dtype):
+    fn, make = CASES[case](dtype)
+    with batch_invariant_kernels():
+        assert not _varies(fn, make, sizes=(1, 2, 3, 4, 5, 6, 7, 8))
+
+
+@pytest.mark.parametrize("case,dtype", sorted(STOCK_VARIES, key=str), ids=str)
+def test_kernels_off_control_varies_for_the_same_check(case, dtype):
+    fn, make = CASES[case](dtype)
+    assert _varies(fn, make, sizes=(1, 2, 3, 4, 5, 6, 7, 8))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    k=st.integers(1, 300),
+    n=st.integers(1, 300),
+    rows=st.integers(1, 40),
+    batch=st.integers(1, 8),
+    data=st.data(),
+)
+def test_kernels_linear_property_any_shape_any_batch_any_position(k, n, rows, batch, data):
+    fn, make = linear_case(torch.float32, k=k, n=n, rows=rows)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    sample, others = make(1, gen), make(batch - 1, gen)
+    position = data.draw(st.integers(0, batch - 1))
+    with batch_invariant_kernels():
+        assert torch.equal(_in_batch(fn, sample, others, position), fn(sample))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    cin=st.integers(1, 16),
+    cout=st.integers(1, 16),
+    size=st.integers(3, 20),
+    kernel=st.sampled_from([1, 3]),
+    stride=st.sampled_from([1, 2]),
+    batch=st.integers(1, 8),
+    data=st.data(),
+)
+def test_kernels_conv_property_any_shape_any_batch_any_position(cin, cout, size, kernel, stride, batch, data):
+    weight = torch.randn(cout, cin, kernel, kernel)
+    fn = lambda x: F.conv2d(x, weight, stride=stride, padding=kernel // 2)  # noqa: E731
+    sample, others = torch.randn(1, cin, size, size), torch.randn(batch - 1, cin, size, size)
+    position = data.draw(st.integers(0, batch - 1))
+    with batch_invariant_kernels():
+        assert torch.equal(_in_batch(fn, sample, others, position), fn(sample))
+
+
+# --- still correct -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)], ids=str)
+def test_kernels_results_stay_close_to_a_float64_reference(dtype, tol):
+    gen = torch.Generator().manual_seed(11)
+    x, w, b = torch.randn(37, 96, generator=gen), torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
+    img, cw = torch.randn(3, 4, 12, 12, generator=gen), torch.randn(8, 4, 3, 3, generator=gen)
+    gn_in = torch.randn(3, 32, 9, 9, generator=gen)
+    a3, b3, c3 = torch.randn(6, 5, 7, generator=gen), torch.randn(6, 7, 9, generator=gen), torch.randn(6, 5, 9, generator=gen)
+    references = [
+        F.linear(x.double(), w.double(), b.double()),
+        F.conv2d(img.double(), cw.double(), padding=1),
+        F.group_norm(gn_in.double(), 4),
+        torch.baddbmm(c3.double(), a3.double(), b3.double(), beta=0.5, alpha=2.0),
+    ]
+    with batch_invariant_kernels():
+        results = [
+            F.linear(x.to(dtype), w.to(dtype), b.to(dtype)),
+            F.conv2d(img.to(dtype), cw.to(dtype), padding=1),
+            F.group_norm(gn_in.to(dtype), 4),
+            torch.baddbmm(c3.to(dtype), a3.to(dtype), b3.to(dtype), beta=0.5, alpha=2.0),
+        ]
+    for got, want in zip(results, references):
+        assert got.dtype == dtype and got.shape == want.shape
+        scale = want.abs().max().item()
+        assert (got.double() - want).abs().max().item() <= tol * max(scale, 1.0)
+
+
+def test_kernels_group_norm_returns_statistics_like_aten():
+    x = torch.randn(2, 8, 5, 5)
+    want = torch.native_group_norm(x, None, None, 2, 8, 25, 4, 1e-5)
+    with batch_invariant_kernels():
+        got = torch.native_group_norm(x, None, None, 2, 8, 25, 4, 1e-5)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5)
+
+
+def test_kernels_integer_and_empty_inputs_fall_back_to_stock():
+    a, b = torch.arange(6).reshape(2, 3), torch.arange(12).reshape(3, 4)
+    with batch_invariant_kernels():
+        assert torch.equal(torch.mm(a, b), a.double().mm(b.double()).long())
+        assert torch.mm(torch.zeros(0, 3), torch.zeros(3, 4)).shape == (0, 4)
