@@ -1,0 +1,221 @@
+"""The diffusion stage in a real local Ray Serve instance, with the tiny real pipelines.
+
+Nothing is mocked: Ray, Serve, torch and diffusers run for real; the models are the embedded
+tiny UNet and SD3 pipelines. Every invariance check has its control (invariance off) showing
+that the same check can fail.
+"""
+
+import concurrent.futures
+import hashlib
+
+import pytest
+import ray
+from ray import serve
+
+from contracts.errors import InvalidRequestError, QueueFullError
+from stages.diffusion import DiffusionStage
+
+UNET, DIT = "omniserve/tiny-sd-unet", "omniserve/tiny-sd3-dit"
+REQUESTS = [("a red fox in the snow", 42), ("a lighthouse at dusk", 7), ("two cats asleep", 99), ("a bowl of ramen", 1234)]
+STEPS = {"num_inference_steps": 3, "height": 64, "width": 64}
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def serve_instance():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="test-diffusion")
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(name, model=UNET, *, batch_invariant=True, num_replicas=1, **stage_kwargs):
+    stage_kwargs.setdefault("batch_wait_timeout_s", 0.5)
+    app = DiffusionStage.options(
+        name=name, num_replicas=num_replicas, ray_actor_options={"num_cpus": 0.4},
+    ).bind(model, batch_invariant=batch_invariant, torch_threads=1, **stage_kwargs)
+    return serve.run(app, name=name, route_prefix=None)
+
+
+def generate(handle, prompt, seed, **params):
+    return handle.generate.remote(prompt, {"seed": seed, **STEPS, **params}).result(timeout_s=TIMEOUT_S)
+
+
+def concurrently(handle, requests, **params):
+    responses = [handle.generate.remote(p, {"seed": s, **STEPS, **params}) for p, s in requests]
+    return [r.result(timeout_s=TIMEOUT_S) for r in responses]
+
+
+@pytest.fixture(scope="module")
+def unet_invariant(serve_instance):
+    handle = deploy("unet-invariant", max_batch_size=4, max_queued=8)
+    yield handle
+    serve.delete("unet-invariant")
+
+
+def _solo_and_batched(handle):
+    solo = [generate(handle, p, s) for p, s in REQUESTS]
+    batched = concurrently(handle, REQUESTS)
+    return solo, batched
+
+
+# --- co-batching and invariance --------------------------------------------------------------
+
+
+def test_diffusion_unet_cobatched_results_equal_their_solo_bytes(unet_invariant):
+    solo, batched = _solo_and_batched(unet_invariant)
+    assert all(r["batch_size"] == 1 for r in solo)
+    assert max(r["batch_size"] for r in batched) > 1, "concurrent requests were not co-batched"
+    for alone, together in zip(solo, batched):
+        assert together["png"] == alone["png"] and together["sha256"] == alone["sha256"]
+
+
+def test_diffusion_dit_cobatched_results_equal_their_solo_bytes(serve_instance):
+    handle = deploy("dit-invariant", DIT, max_batch_size=4)
+    try:
+        solo, batched = _solo_and_batched(handle)
+        assert max(r["batch_size"] for r in batched) > 1
+        assert [r["png"] for r in batched] == [r["png"] for r in solo]
+    finally:
+        serve.delete("dit-invariant")
+
+
+@pytest.mark.parametrize("model", [UNET, DIT])
+def test_diffusion_control_invariance_off_cobatched_bytes_differ(serve_instance, model):
+    name = f"control-{model.rsplit('-', 1)[-1]}"
+    handle = deploy(name, model, batch_invariant=False, max_batch_size=4)
+    try:
+        solo, batched = _solo_and_batched(handle)
+        assert max(r["batch_size"] for r in batched) > 1
+        assert not any(r["batch_invariant"] for r in batched)
+        assert any(b["png"] != a["png"] for a, b in zip(solo, batched)), "the check could not fail: control shows no variance"
+    finally:
+        serve.delete(name)
+
+
+def test_diffusion_different_keys_never_share_a_batch(unet_invariant):
+    # Sent together, with a long batch wait: a mixed batch would report more items than its key has.
+    groups = {
+        "64px-3steps": [(f"key one {i}", i, {}) for i in range(3)],
+        "128px": [(f"key two {i}", 10 + i, {"height": 128, "width": 128}) for i in range(2)],
+        "64px-2steps": [("key three", 20, {"num_inference_steps": 2})],
+    }
+    pending = {
+        name: [unet_invariant.generate.remote(p, {"seed": s, **STEPS, **extra}) for p, s, extra in items]
+        for name, items in groups.items()
+    }
+    for name, responses in pending.items():
+        results = [r.result(timeout_s=TIMEOUT_S) for r in responses]
+        assert all(r["batch_size"] <= len(groups[name]) for r in results), name
+    assert {r["height"] for r in results} == {64}
+
+
+def test_diffusion_provenance_names_seed_hash_switch_backend_model_batch(unet_invariant):
+    result = generate(unet_invariant, "a red fox in the snow", 42)
+    assert result["sha256"] == hashlib.sha256(result["png"]).hexdigest()
+    assert result["png"].startswith(b"\x89PNG")
+    assert result["seed"] == 42 and result["batch_invariant"] is True
+    assert result["kernel_backend"] == "cpu" and result["model"] == UNET
+    assert result["batch_size"] == 1 and result["replica"]
+    assert (result["height"], result["width"], result["num_inference_steps"]) == (64, 64, 3)
+
+
+def test_diffusion_describe_reports_switch_and_installed_kernels(unet_invariant):
+    info = unet_invariant.describe.remote().result(timeout_s=60)
+    assert info["batch_invariant"] is True and info["kernels"]["installed"] is True
+    assert "aten::convolution" in info["kernels"]["ops"]
+
+
+# --- replicas and restarts ----------------------------------------------------------------------
+
+
+def test_diffusion_two_replicas_and_a_restarted_replica_return_identical_bytes(serve_instance):
+    handle = deploy("two-replicas", num_replicas=2, max_batch_size=1, batch_wait_timeout_s=0.0)
+    try:
+        seen: dict[str, set] = {}
+        for _ in range(6):
+            batch = concurrently(handle, [REQUESTS[0]] * 4)
+            for r in batch:
+                seen.setdefault(r["replica"], set()).add(r["sha256"])
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2, f"only replicas {sorted(seen)} answered"
+        hashes = set().union(*seen.values())
+        assert len(hashes) == 1
+    finally:
+        serve.delete("two-replicas")
+    # A replica started from scratch in a new process: same bytes again.
+    restarted = deploy("restarted", max_batch_size=1)
+    try:
+        again = generate(restarted, *REQUESTS[0])
+        assert again["replica"] not in seen and again["sha256"] in hashes
+    finally:
+        serve.delete("restarted")
+
+
+# --- admission: typed errors, nothing dropped or replaced -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt,params,param",
+    [
+        ("a fox", {"num_inference_steps": 2}, "seed"),  # seedless under invariance
+        ("a fox", {"seed": 1, "latents": [[[0.0]]]}, "latents"),
+        ("a fox", {"seed": 1, "sigmas": [1.0, 0.5]}, "sigmas"),
+        ("a fox", {"seed": 1, "generator_device": "cpu"}, "generator_device"),
+        ("a fox", {"seed": True}, "seed"),
+        ("a fox", {"seed": 2**64}, "seed"),
+        ("a fox", {"seed": 1, "height": 60}, "height"),
+        ("a fox", {"seed": 1, "height": 1024, "width": 1024}, "size"),
+        ("a fox", {"seed": 1, "num_images_per_prompt": 2}, "num_images_per_prompt"),
+        ("", {"seed": 1}, "prompt"),
+        (7, {"seed": 1}, "prompt"),
+    ],
+)
+def test_diffusion_bad_input_raises_typed_error_naming_the_field(unet_invariant, prompt, params, param):
+    with pytest.raises(InvalidRequestError) as err:
+        unet_invariant.generate.remote(prompt, params).result(timeout_s=60)
+    assert err.value.param == param and err.value.message
+
+
+def test_diffusion_replica_survives_bad_input(unet_invariant):
+    with pytest.raises(InvalidRequestError):
+        unet_invariant.generate.remote("a fox", {}).result(timeout_s=60)
+    assert generate(unet_invariant, "a red fox in the snow", 42)["seed"] == 42
+
+
+def test_diffusion_full_queue_rejects_clearly_and_serves_the_rest(unet_invariant):
+    responses = [unet_invariant.generate.remote(f"load {i}", {"seed": i, **STEPS}) for i in range(20)]
+    served, refused = 0, 0
+    for response in responses:
+        try:
+            response.result(timeout_s=TIMEOUT_S)
+            served += 1
+        except QueueFullError as err:
+            assert "retry" in err.message
+            refused += 1
+    assert refused > 0 and served >= 8
+
+
+def test_diffusion_seedless_request_without_invariance_gets_a_seed_that_reproduces(serve_instance):
+    handle = deploy("unet-plain", batch_invariant=False, max_batch_size=1)
+    try:
+        first = handle.generate.remote("a red fox", {**STEPS}).result(timeout_s=TIMEOUT_S)
+        assert isinstance(first["seed"], int) and first["batch_invariant"] is False
+        again = generate(handle, "a red fox", first["seed"])
+        assert again["sha256"] == first["sha256"]
+        # Off, the caller's own generator device and sigmas are honoured (and keyed apart).
+        custom = generate(handle, "a red fox", 5, generator_device="cpu", sigmas=[14.6, 5.0, 1.0])
+        assert custom["seed"] == 5
+    finally:
+        serve.delete("unet-plain")
+
+
+def test_diffusion_caller_seed_is_never_replaced(unet_invariant):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        seeds = [-(2**63), 0, 2**63, 2**64 - 1]
+        results = list(pool.map(lambda s: generate(unet_invariant, "seed check", s), seeds))
+    assert [r["seed"] for r in results] == seeds
