@@ -89,28 +89,6 @@ def _stitch(parts: list[torch.Tensor], n: int) -> torch.Tensor:
     return (parts[0] if len(parts) == 1 else torch.cat(parts))[:n]
 
 
-class _Output:
-    """One output buffer written block by block through `out=`; the padded tail goes to a scratch block."""
-
-    def __init__(self, like: torch.Tensor, n: int, block: int, item_shape: tuple[int, ...]):
-        self.n, self.block = n, block
-        self.full = like.new_empty((n, *item_shape))
-        self.scratch = None
-
-    def slot(self, index: int) -> torch.Tensor:
-        start = index * self.block
-        if start + self.block <= self.n and _aligned(self.full[start]):
-            return self.full[start : start + self.block]
-        self.scratch = self.full.new_empty((self.block, *self.full.shape[1:]))
-        return self.scratch
-
-    def done(self, index: int) -> None:
-        if self.scratch is not None:
-            start = index * self.block
-            self.full[start : start + self.block].copy_(self.scratch[: self.n - start])
-            self.scratch = None
-
-
 # --- matrix products -----------------------------------------------------------------
 
 
@@ -119,27 +97,33 @@ def _gemm_rows(a: torch.Tensor, b: torch.Tensor) -> int:
     return block_size(a.shape[1] * b.shape[1], minimum=64, maximum=1024)
 
 
+def _padded_output(like: torch.Tensor, blocks: int, block: int, item_shape: tuple[int, ...]) -> torch.Tensor:
+    # Whole blocks: every library call writes a full block in place; callers slice off the padding.
+    return like.new_empty((blocks * block, *item_shape))
+
+
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype not in _FLOATING or a.shape[0] == 0:
         return torch.mm(a, b, out=a.new_empty(0))
     rows = _gemm_rows(a, b)
-    out = _Output(a, a.shape[0], rows, (b.shape[1],))
-    for i, block in enumerate(_blocks(a, rows)):
-        torch.mm(block, b, out=out.slot(i))
-        out.done(i)
-    return out.full
+    blocks = _blocks(a, rows)
+    out = _padded_output(a, len(blocks), rows, (b.shape[1],))
+    for i, block in enumerate(blocks):
+        torch.mm(block, b, out=out[i * rows : (i + 1) * rows])
+    return out[: a.shape[0]]
 
 
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     if a.dtype not in _FLOATING or a.shape[0] == 0:
         return torch.addmm(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty(0))
     rows = _gemm_rows(a, b)
+    blocks = _blocks(a, rows)
     biases = _blocks(bias.expand(a.shape[0], b.shape[1]), rows) if _rows_of(bias, a.shape[0]) else None
-    out = _Output(a, a.shape[0], rows, (b.shape[1],))
-    for i, block in enumerate(_blocks(a, rows)):
-        torch.addmm(bias if biases is None else biases[i], block, b, beta=beta, alpha=alpha, out=out.slot(i))
-        out.done(i)
-    return out.full
+    out = _padded_output(a, len(blocks), rows, (b.shape[1],))
+    for i, block in enumerate(blocks):
+        torch.addmm(bias if biases is None else biases[i], block, b, beta=beta, alpha=alpha,
+                    out=out[i * rows : (i + 1) * rows])
+    return out[: a.shape[0]]
 
 
 def _bmm_entries(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -150,11 +134,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype not in _FLOATING or a.shape[0] == 0:
         return torch.bmm(a, b, out=a.new_empty(0))
     entries = _bmm_entries(a, b)
-    out = _Output(a, a.shape[0], entries, (a.shape[1], b.shape[2]))
-    for i, (x, y) in enumerate(zip(_blocks(a, entries), _blocks(b, entries))):
-        torch.bmm(x, y, out=out.slot(i))
-        out.done(i)
-    return out.full
+    pairs = list(zip(_blocks(a, entries), _blocks(b, entries)))
+    out = _padded_output(a, len(pairs), entries, (a.shape[1], b.shape[2]))
+    for i, (x, y) in enumerate(pairs):
+        torch.bmm(x, y, out=out[i * entries : (i + 1) * entries])
+    return out[: a.shape[0]]
 
 
 def baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
@@ -162,12 +146,13 @@ def baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alp
         return torch.baddbmm(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty(0))
     entries = _bmm_entries(a, b)
     shape = (a.shape[0], a.shape[1], b.shape[2])
+    pairs = list(zip(_blocks(a, entries), _blocks(b, entries)))
     biases = _blocks(bias.expand(shape), entries) if bias.dim() == 3 and _rows_of(bias, a.shape[0]) else None
-    out = _Output(a, a.shape[0], entries, shape[1:])
-    for i, (x, y) in enumerate(zip(_blocks(a, entries), _blocks(b, entries))):
-        torch.baddbmm(bias if biases is None else biases[i], x, y, beta=beta, alpha=alpha, out=out.slot(i))
-        out.done(i)
-    return out.full
+    out = _padded_output(a, len(pairs), entries, shape[1:])
+    for i, (x, y) in enumerate(pairs):
+        torch.baddbmm(bias if biases is None else biases[i], x, y, beta=beta, alpha=alpha,
+                      out=out[i * entries : (i + 1) * entries])
+    return out[: a.shape[0]]
 
 
 # --- convolution ---------------------------------------------------------------------
@@ -195,23 +180,21 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
 # --- group_norm ----------------------------------------------------------------------
 
 
-def native_group_norm(x, weight, bias, N, C, HxW, group, eps):
-    """Group norm with statistics from fixed-size row blocks; returns (out, mean, rstd) like aten."""
-    fmt = _memory_format(x)  # output keeps the caller's layout; the statistics never see it
-    compute = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-    rows = x.reshape(N, C, HxW).to(compute).reshape(N * group, -1)
-    per_block = block_size(rows.shape[1], minimum=1, maximum=4096)
-    stats = [torch.var_mean(block, dim=1, correction=0) for block in _blocks(rows, per_block)]
-    var = _stitch([v for v, _ in stats], N * group)
-    mean = _stitch([m for _, m in stats], N * group)
-    rstd = torch.rsqrt(var + eps)
-    y = ((rows - mean[:, None]) * rstd[:, None]).reshape(N, C, HxW)
-    if weight is not None:
-        y = y * weight.to(compute)[None, :, None]
-    if bias is not None:
-        y = y + bias.to(compute)[None, :, None]
-    y = y.reshape(x.shape).to(x.dtype).contiguous(memory_format=fmt)
-    return y, mean.reshape(N, group).to(x.dtype), rstd.reshape(N, group).to(x.dtype)
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    """aten::group_norm: the stock kernel on fixed blocks of samples, always channels-first contiguous.
+
+    (The stock CPU kernel takes another path for channels-last inputs, whose result moves with
+    the batch size; contiguous blocks of a fixed size never reach that choice.)
+    """
+    if x.dim() < 2 or x.dtype not in _FLOATING or x.shape[0] == 0:
+        return torch.ops.aten.native_group_norm(
+            x, weight, bias, x.shape[0], x.shape[1], math.prod(x.shape[2:]), num_groups, eps)[0]
+    channels, positions = x.shape[1], math.prod(x.shape[2:])
+    samples = block_size(channels * positions * 8, minimum=1, maximum=64)  # ~8 flops per element
+    parts = []
+    for block in _blocks(x, samples):
+        parts.append(torch.ops.aten.native_group_norm(block, weight, bias, samples, channels, positions, num_groups, eps)[0])
+    return _stitch(parts, x.shape[0]).contiguous(memory_format=_memory_format(x))
 
 
 #: The op table: aten overload -> batch-invariant replacement. One place to read what is covered.
@@ -221,10 +204,10 @@ CPU_OPS = {
     "bmm": bmm,
     "baddbmm": baddbmm,
     "convolution": convolution,
-    "native_group_norm": native_group_norm,
+    "group_norm": group_norm,
 }
 #: What vLLM's CUDA mode leaves out, covered the same way on CUDA.
 CUDA_COVER_OPS = {
     "convolution": convolution,
-    "native_group_norm": native_group_norm,
+    "group_norm": group_norm,
 }

@@ -1,0 +1,240 @@
+"""The diffusion audit: does a request's output change with what it is batched with?
+
+For each model, a target request runs solo and co-batched (target first, last, middle,
+reversed, shuffled, a neighbour's prompt mutated; batch sizes 1 to 8), with kernels off
+(the control) and on, through the stage's own renderer. Compared bit for bit: initial
+latents, final latents and decoded pixels. On a mismatch the audit names the first module
+whose output for the target diverges (forward hooks comparing per-sample outputs).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from contracts.sampling import DiffusionSamplingParams
+from stages.diffusion import DiffusionRenderer, Job
+from stages.kernels import disable_batch_invariant_kernels
+
+MODELS = ("omniserve/tiny-sd-unet", "omniserve/tiny-sd3-dit")
+TARGET = ("a red fox in the snow, watercolor", 42)
+NEIGHBOURS = [
+    ("a lighthouse at dusk, oil painting", 7),
+    ("two cats asleep on a windowsill", 99),
+    ("a bowl of ramen, studio light", 1234),
+    ("mountains under a starry sky", 5),
+    ("a vintage car in the rain", 31337),
+    ("a watercolor map of an island", 2024),
+    ("macro photo of a dew drop on a leaf", 8),
+]
+ORDERINGS = ("first", "middle", "last", "reversed", "shuffled", "mutated-neighbour")
+
+
+@dataclass
+class Sample:
+    initial_latents: torch.Tensor
+    final_latents: torch.Tensor
+    pixels: torch.Tensor
+
+
+def batches(batch_sizes: Sequence[int], orderings: Sequence[str]) -> list[tuple[str, list[tuple[str, int]], int]]:
+    """(ordering, requests, target index) for every audited arrangement."""
+    plans = []
+    for size in batch_sizes:
+        others = NEIGHBOURS[: size - 1]
+        for ordering in orderings if size > 1 else ("solo",):
+            if ordering == "solo":
+                order = [TARGET]
+            elif ordering == "first":
+                order = [TARGET, *others]
+            elif ordering == "last":
+                order = [*others, TARGET]
+            elif ordering == "middle":
+                order = [*others[: size // 2], TARGET, *others[size // 2 :]]
+            elif ordering == "reversed":
+                order = list(reversed([*others[: size // 2], TARGET, *others[size // 2 :]]))
+            elif ordering == "shuffled":
+                order = [TARGET, *others]
+                random.Random(size).shuffle(order)
+            elif ordering == "mutated-neighbour":
+                mutated = [(prompt + ", mutated", seed + 1) for prompt, seed in others]
+                order = [*mutated[: size // 2], TARGET, *mutated[size // 2 :]]
+            else:
+                raise ValueError(f"unknown ordering {ordering!r}")
+            plans.append((ordering, order, order.index(TARGET)))
+    return plans
+
+
+def render(renderer: DiffusionRenderer, requests: list[tuple[str, int]], params: DiffusionSamplingParams) -> list[Sample]:
+    """Run one batch through the stage's renderer, capturing initial and final latents per sample."""
+    captured: dict[str, torch.Tensor] = {}
+    pipe = renderer.pipe
+    original = pipe.prepare_latents
+
+    def prepare_latents(*args, **kwargs):
+        latents = original(*args, **kwargs)
+        captured["initial"] = (latents[0] if isinstance(latents, tuple) else latents).detach().clone()
+        return latents
+
+    def on_step_end(_pipe, step, _timestep, tensors):
+        captured["final"] = tensors["latents"].detach().clone()
+        return tensors
+
+    jobs = [Job(prompt, params.model_copy(update={"seed": seed})) for prompt, seed in requests]
+    pipe.prepare_latents = prepare_latents
+    try:
+        images = renderer.render(jobs, callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"])
+    finally:
+        del pipe.prepare_latents
+    pixels = torch.from_numpy(images)
+    return [Sample(captured["initial"][i], captured["final"][i], pixels[i]) for i in range(len(jobs))]
+
+
+def compare(reference: Sample, other: Sample) -> dict:
+    counts = {}
+    for name in ("initial_latents", "final_latents", "pixels"):
+        a, b = getattr(reference, name), getattr(other, name)
+        counts[f"{name}_differing"] = int((a != b).sum())
+        counts[f"{name}_total"] = a.numel()
+        if name == "pixels":
+            counts["max_abs_diff"] = float((a.double() - b.double()).abs().max())
+    counts["differing_elements"] = sum(counts[f"{n}_differing"] for n in ("initial_latents", "final_latents", "pixels"))
+    counts["total_elements"] = sum(counts[f"{n}_total"] for n in ("initial_latents", "final_latents", "pixels"))
+    return counts
+
+
+def first_divergent_module(renderer: DiffusionRenderer, order: list[tuple[str, int]], target: int, params) -> str | None:
+    """The first module (in execution order) whose output for the target differs solo vs in `order`."""
+
+    def trace(requests, position) -> list[tuple[str, torch.Tensor]]:
+        size, records, calls, hooks = len(requests), [], {}, []
+
+        def hook_for(name):
+            def hook(_module, _inputs, output):
+                tensor = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
+                tensor = getattr(tensor, "last_hidden_state", tensor)
+                if not torch.is_tensor(tensor) or tensor.dim() == 0:
+                    return
+                if tensor.shape[0] == size:
+                    rows = tensor[position : position + 1]
+                elif tensor.shape[0] == 2 * size:  # classifier-free guidance doubles the batch
+                    rows = torch.cat([tensor[position : position + 1], tensor[size + position : size + position + 1]])
+                else:
+                    return
+                index = calls[name] = calls.get(name, -1) + 1
+                records.append((f"{name}#{index}", rows.detach().float().clone()))
+
+            return hook
+
+        for component, module in renderer.pipe.components.items():
+            if isinstance(module, torch.nn.Module):
+                for sub, child in module.named_modules():
+                    hooks.append(child.register_forward_hook(hook_for(f"{component}.{sub}" if sub else component)))
+        try:
+            render(renderer, requests, params)
+        finally:
+            for handle in hooks:
+                handle.remove()
+        return records
+
+    solo = dict(trace([order[target]], 0))
+    for name, rows in trace(order, target):
+        reference = solo.get(name)
+        if reference is not None and reference.shape == rows.shape and not torch.equal(reference, rows):
+            return name.split("#")[0]
+    return None
+
+
+def audit_model(
+    model: str,
+    *,
+    kernels: Sequence[str] = ("off", "on"),
+    batch_sizes: Sequence[int] = tuple(range(1, 9)),
+    orderings: Sequence[str] = ORDERINGS,
+    dtype: str = "float32",
+    steps: int = 8,
+    size: int = 64,
+    locate: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict], dict[str, list[Sample]]]:
+    """All runs for one model; also returns (solo, co-batched) samples of the worst run per setting, for pictures."""
+    runs, examples = [], {}
+    plans = batches(batch_sizes, orderings)
+    for setting in kernels:
+        disable_batch_invariant_kernels()  # each setting starts from stock kernels
+        # The stage's own renderer: it installs the kernels itself when its switch is on.
+        renderer = DiffusionRenderer(model, batch_invariant=setting == "on", dtype=dtype)
+        params = renderer.resolve(DiffusionSamplingParams(seed=TARGET[1], num_inference_steps=steps, height=size, width=size))
+        solo = render(renderer, [TARGET], params)[0]
+        worst = (-1, None)
+        for ordering, order, target in plans:
+            sample = render(renderer, order, params)[target]
+            counts = compare(solo, sample)
+            run = {
+                "stage": "diffusion", "model": model, "kernels": setting, "ordering": ordering,
+                "batch_size": len(order), "target_position": target, "dtype": dtype,
+                "detail": f"{size}x{size}, {steps} steps", **counts,
+            }
+            # Locating costs two traced renders: do it for every failure with kernels on, and once
+            # per model for the control (where every arrangement diverges at the same place).
+            located = any("first_divergent_module" in r for r in runs if r["model"] == model and r["kernels"] == setting)
+            if counts["differing_elements"] and locate and (setting == "on" or not located):
+                run["first_divergent_module"] = first_divergent_module(renderer, order, target, params)
+            runs.append(run)
+            if counts["differing_elements"] > worst[0]:
+                worst = (counts["differing_elements"], sample)
+            log(f"[diffusion audit] {model} kernels={setting} batch={len(order)} {ordering}: "
+                f"{counts['differing_elements']}/{counts['total_elements']} differ"
+                + (f" (first at {run['first_divergent_module']})" if "first_divergent_module" in run else ""))
+        examples[setting] = [solo, worst[1]]
+    disable_batch_invariant_kernels()
+    return runs, examples
+
+
+def picture(examples: dict[str, list[Sample]], path: str, scale: int = 4) -> None:
+    """PNG: solo | co-batched | |difference| heatmap; control row over invariant row; one colour scale."""
+    from PIL import Image, ImageDraw
+
+    rows = [(setting, pair) for setting, pair in examples.items() if pair[1] is not None]
+    diffs = {setting: (pair[0].pixels.double() - pair[1].pixels.double()).abs().amax(-1) for setting, pair in rows}
+    top = max((float(d.max()) for d in diffs.values()), default=0.0) or 1.0
+    height, width = rows[0][1][0].pixels.shape[:2]
+    tile_w, tile_h, label_h = width * scale, height * scale, 14
+    canvas = Image.new("RGB", (3 * tile_w, len(rows) * (tile_h + label_h)), "white")
+    draw = ImageDraw.Draw(canvas)
+    for r, (setting, (solo, batched)) in enumerate(rows):
+        heat = (diffs[setting] / top * 255).round().to(torch.uint8).numpy()
+        tiles = [
+            Image.fromarray((solo.pixels.numpy() * 255).round().clip(0, 255).astype("uint8")),
+            Image.fromarray((batched.pixels.numpy() * 255).round().clip(0, 255).astype("uint8")),
+            Image.merge("RGB", [Image.fromarray(heat), Image.fromarray(heat * 0), Image.fromarray(255 - heat)]),
+        ]
+        y = r * (tile_h + label_h)
+        draw.text((2, y), f"kernels {setting}: solo | co-batched | |diff| (max {float(diffs[setting].max()):.2e}, scale {top:.2e})", fill="black")
+        for c, tile in enumerate(tiles):
+            canvas.paste(tile.resize((tile_w, tile_h), Image.NEAREST), (c * tile_w, y + label_h))
+    canvas.save(path)
+
+
+def run_diffusion_audit(
+    models: Sequence[str] = MODELS,
+    *,
+    picture_path: str | None = None,
+    command: Sequence[str] | None = None,
+    log: Callable[[str], None] = print,
+    **options,
+) -> dict:
+    """Audit every model; returns {"runs": [...], "summary": {...}, "environment": {...}}."""
+    from stages.audit.report import environment, summarize
+
+    runs, first_examples = [], None
+    for model in models:
+        model_runs, examples = audit_model(model, log=log, **options)
+        runs += model_runs
+        first_examples = first_examples or examples
+    if picture_path and first_examples:
+        picture(first_examples, picture_path)
+    return {"runs": runs, "summary": summarize(runs), "environment": environment(command)}
