@@ -26,11 +26,13 @@ import math
 
 import torch
 
-# Work per library call (multiply-adds) at which the call's own overhead stops mattering:
-# GEMMs cost ~5 us to call, oneDNN convolutions ~50 us. Blocks hold as many samples as make
-# about this much work; more would only pad small batches with wasted work.
-GEMM_MACS = 1 << 17
+# Work per library call (multiply-adds) at which a call's fixed cost (~10 us for a GEMM with
+# its Python around it, ~50 us for a convolution) stops mattering. Blocks hold as many items as
+# make about this much work; more would only pad small batches with wasted work.
+GEMM_MACS = 1 << 18
 CONV_MACS = 1 << 21
+# Per-sample size up to which group_norm takes the stock channels-first kernel (copying if need be).
+SMALL_NORM_ELEMENTS = 1 << 16
 _FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -99,136 +101,150 @@ def _per_row(t: torch.Tensor, n: int) -> bool:
 
 
 def _gemm_rows(k: int, n: int) -> int:
-    # At least 64 rows: one pass over the weight then serves many rows, as in a stock GEMM.
-    return block_size(k * n, GEMM_MACS, minimum=64)
+    # Small blocks for wide layers (a decode step's few rows pad to little), larger for narrow ones.
+    return block_size(k * n, GEMM_MACS, minimum=16, maximum=256)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias=None, beta=1, alpha=1) -> torch.Tensor:
+    """mm / addmm as one batched GEMM over fixed-size row blocks: (blocks, rows, k) @ (k, n).
+
+    ATen's batched GEMM computes each matrix of a batch on its own, the same way whatever the
+    batch count (measured: 2400 checks, float32 and bfloat16), so every row block is computed
+    alike, wherever it sits, while a single call keeps the cost of a stock GEMM.
+    """
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    rows = _gemm_rows(k, n)
+    blocks = _canonical(a, rows, lines=True).unflatten(0, (-1, rows))
+    weight = b.expand(blocks.shape[0], k, n)
+    out = a.new_empty(blocks.shape[0], rows, n)
+    if bias is None:
+        torch.bmm(blocks, weight, out=out)
+    else:
+        if _per_row(bias, m):  # a full bias matrix is cut into the same row blocks
+            bias = _canonical(bias.expand(m, n), rows, lines=True).unflatten(0, (-1, rows))
+        torch.baddbmm(bias, blocks, weight, beta=beta, alpha=alpha, out=out)
+    return out.view(-1, n)[:m]
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype not in _FLOATING or a.shape[0] == 0:
         return torch.mm(a, b, out=a.new_empty(0))
-    return _gemm(a, b, lambda block, out: torch.mm(block, b, out=out))
+    return _gemm(a, b)
 
 
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     if a.dtype not in _FLOATING or a.shape[0] == 0:
         return torch.addmm(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty(0))
-    if _per_row(bias, a.shape[0]):  # a full bias matrix is cut into the same row blocks
-        rows = _gemm_rows(a.shape[1], b.shape[1])
-        biases = _canonical(bias.expand(a.shape[0], b.shape[1]), rows, lines=True)
-        return _gemm(a, b, lambda block, out, start: torch.addmm(
-            _block(biases, start, rows), block, b, beta=beta, alpha=alpha, out=out), with_start=True)
-    return _gemm(a, b, lambda block, out: torch.addmm(bias, block, b, beta=beta, alpha=alpha, out=out))
-
-
-def _gemm(a, b, call, with_start=False) -> torch.Tensor:
-    """Rows of `a` in fixed blocks, each block's product written in place into one padded output."""
-    rows = _gemm_rows(a.shape[1], b.shape[1])
-    padded = _canonical(a, rows, lines=True)
-    out = a.new_empty(padded.shape[0], b.shape[1])
-    for start in range(0, padded.shape[0], rows):
-        args = (_block(padded, start, rows), out[start : start + rows])
-        call(*args, start) if with_start else call(*args)
-    return out[: a.shape[0]]
-
-
-def _bmm_entries(a: torch.Tensor, b: torch.Tensor) -> int:
-    return block_size(a.shape[1] * a.shape[2] * b.shape[2], GEMM_MACS, maximum=256)
+    return _gemm(a, b, bias, beta, alpha)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each matrix on its own (see _gemm), in one canonical layout with every matrix line-aligned."""
+    out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
     if a.dtype not in _FLOATING or a.shape[0] == 0:
-        return torch.bmm(a, b, out=a.new_empty(0))
-    return _batched(a, b, None, lambda x, y, _bias, out: torch.bmm(x, y, out=out))
+        return torch.bmm(a, b, out=out)
+    return torch.bmm(_canonical(a, 1, lines=True), _canonical(b, 1, lines=True), out=out)
 
 
 def baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
     if a.dtype not in _FLOATING or a.shape[0] == 0:
-        return torch.baddbmm(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty(0))
-    return _batched(a, b, bias, lambda x, y, z, out: torch.baddbmm(z, x, y, beta=beta, alpha=alpha, out=out))
-
-
-def _batched(a, b, bias, call) -> torch.Tensor:
-    """Matrices of a batched product in fixed blocks of entries."""
-    entries = _bmm_entries(a, b)
-    x, y = _canonical(a, entries, lines=True), _canonical(b, entries, lines=True)
-    per_entry = bias is not None and bias.dim() == 3 and _per_row(bias, a.shape[0])
-    z = _canonical(bias.expand(a.shape[0], a.shape[1], b.shape[2]), entries, lines=True) if per_entry else bias
-    parts = []
-    for start in range(0, x.shape[0], entries):
-        block_bias = _block(z, start, entries) if per_entry else z
-        out = a.new_empty(entries, a.shape[1], b.shape[2])  # fresh, so aligned like every other block
-        call(_block(x, start, entries), _block(y, start, entries), block_bias, out)
-        parts.append(out)
-    return (parts[0] if len(parts) == 1 else torch.cat(parts))[: a.shape[0]]
+        return torch.baddbmm(bias, a, b, beta=beta, alpha=alpha, out=out)
+    if bias.dim() == 3 and _per_row(bias, a.shape[0]):
+        bias = _canonical(bias.expand(out.shape), 1, lines=True)
+    return torch.baddbmm(bias, _canonical(a, 1, lines=True), _canonical(b, 1, lines=True), beta=beta, alpha=alpha, out=out)
 
 
 # --- convolution ---------------------------------------------------------------------
 
 
-def _stock_convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    if not transposed and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() in (4, 5):
-        # oneDNN directly: ATen would otherwise pick its im2col path for some batch sizes only.
-        return torch.mkldnn_convolution(x, weight, bias, padding, stride, dilation, groups)
-    # Fixed algorithm choice (no benchmarking, deterministic, no TF32), whatever the user set.
-    return torch.ops.aten._convolution(
-        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
-        False, True, torch.backends.cudnn.enabled, False,
-    )
-
-
-def _im2col_fits(x: torch.Tensor, weight: torch.Tensor, positions: int) -> bool:
-    """2-D, and every per-sample buffer (input, columns, output) a whole number of 64-byte lines:
-    the GEMMs then see equally aligned pointers for every sample (MKL's result can follow alignment)."""
-    line = 64 // x.element_size()
-    per_sample = (math.prod(x.shape[1:]), math.prod(weight.shape[1:]) * positions, weight.shape[0] * positions)
-    return x.dim() == 4 and all(size % line == 0 for size in per_sample)
+def _onednn_takes(x: torch.Tensor, transposed: bool) -> bool:
+    return not transposed and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() in (3, 4, 5)
 
 
 def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    """Two fixed strategies, chosen per layer (by its per-sample work, never by the batch).
+    """oneDNN directly, always channels-last; fixed blocks of samples for what oneDNN does not take.
 
-    Small layers: ATen's im2col convolution, which computes every sample as its own single-threaded
-    GEMM of one fixed shape, so the batch only changes how many such GEMMs run (cut into blocks,
-    oneDNN's per-call cost would dominate these layers). Larger layers: oneDNN on fixed blocks of
-    samples in the weight's layout.
+    ATen's CPU convolution varies with the batch because it picks its backend by batch size
+    (im2col for a lone small sample, oneDNN otherwise) and follows the input's layout, which
+    itself can follow the batch size. oneDNN computes every output from its own sample in an
+    order its kernels fix, whatever the batch: measured over 2400 random layers (channels,
+    sizes, kernels, strides, groups, layouts, float32/bfloat16, batch sizes 1-8, every
+    position) and pinned in tests/stages/test_kernels.py.
     """
-    args = (stride, padding, dilation, transposed, output_padding, groups)
+    # One layout whatever the activation's strides (they can depend on the batch: a reshape
+    # copies or not), and oneDNN's result depends on the layout. Channels-last: oneDNN's faster one here.
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim(), torch.contiguous_format)
+    if _onednn_takes(x, transposed) and x.shape[0] > 0:
+        x = x if x.is_contiguous(memory_format=fmt) else x.contiguous(memory_format=fmt)
+        return torch.mkldnn_convolution(x, weight, bias, padding, stride, dilation, groups)
+
+    def stock(inp):
+        # Fixed algorithm choice (no benchmarking, deterministic, no TF32), whatever the user set.
+        return torch.ops.aten._convolution(
+            inp, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
+            False, True, torch.backends.cudnn.enabled, False,
+        )
+
     if x.dim() < 3 or x.dtype not in _FLOATING or x.shape[0] == 0:
-        return _stock_convolution(x, weight, bias, *args)
+        return stock(x)
     positions = math.prod(x.shape[2:]) // max(math.prod(stride), 1)
     work = weight.shape[0] * math.prod(weight.shape[1:]) * positions  # multiply-adds per sample (approx.)
-    if work <= CONV_MACS and _im2col_fits(x, weight, positions) and groups == 1 and not transposed and tuple(dilation) == (1, 1):
-        # At least two samples: ATen then runs each sample's GEMM single-threaded inside its
-        # parallel loop; a lone sample would get a multi-threaded GEMM, whose order can differ.
-        padded = _canonical(x, 1) if x.shape[0] > 1 else _canonical(x, 2)
-        out = torch.ops.aten._slow_conv2d_forward(padded, weight.contiguous(), weight.shape[2:], bias, stride, padding)
-        return out[: x.shape[0]]
     # Samples of a block sit at offsets of whole samples: only whole 64-byte lines keep them equally aligned.
     line = 64 // x.element_size()
     samples = block_size(work, CONV_MACS, maximum=64) if math.prod(x.shape[1:]) % line == 0 else 1
-    # The layout follows the layer's weight (fixed per model), never the activation's strides.
-    fmt = _memory_format(weight) if weight.dim() == x.dim() else torch.contiguous_format
     padded = _canonical(x, samples, fmt)
-    if padded.shape[0] == samples:
-        return _stock_convolution(padded, weight, bias, *args)[: x.shape[0]]
-    blocks = range(0, padded.shape[0], samples)
-    return torch.cat([_stock_convolution(_block(padded, start, samples), weight, bias, *args) for start in blocks])[: x.shape[0]]
+    blocks = [stock(_block(padded, start, samples)) for start in range(0, padded.shape[0], samples)]
+    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[: x.shape[0]]
 
 
 # --- group_norm ----------------------------------------------------------------------
 
 
 def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
-    """aten::group_norm on a channels-first contiguous input, in the caller's layout afterwards.
+    """aten::group_norm in any layout, each (sample, group) reduced the same way whatever the batch.
 
-    The stock contiguous kernel reduces each (sample, group) row on one thread in a fixed order,
-    whatever the batch; its channels-last kernel does not (it splits work by the batch size).
+    The stock kernels differ by layout, and the channels-last one splits its reduction by the
+    batch size; activations arrive in either layout depending on the batch. Here every input is
+    read as (sample, position, channel) (a view of channels-last memory, one copy otherwise), and
+    each channel sums over positions in one fixed order; a group's mean, then its variance
+    around that mean, add up its channels' sums (ATen's Welford reduction would be ~50x slower).
+    Small samples take the stock kernel on channels-first memory instead (fewer ops); the path
+    depends only on the per-sample shape, so a layer always takes the same one.
     """
-    channels, positions = x.shape[1], math.prod(x.shape[2:])
-    fmt = _memory_format(x)
-    x = x if x.is_contiguous() else x.contiguous()
-    out = torch.ops.aten.native_group_norm(x, weight, bias, x.shape[0], channels, positions, num_groups, eps)[0]
-    return out if fmt == torch.contiguous_format else out.contiguous(memory_format=fmt)
+    n, channels = x.shape[:2]
+    if math.prod(x.shape[1:]) <= SMALL_NORM_ELEMENTS:
+        # Small samples: the stock kernel on channels-first memory (it reduces each (sample, group)
+        # row on one thread in a fixed order, whatever the batch): one op instead of a dozen.
+        flat = x.contiguous()
+        out = torch.ops.aten.native_group_norm(flat, weight, bias, n, channels, math.prod(x.shape[2:]), num_groups, eps)[0]
+        return out.contiguous(memory_format=_memory_format(x))
+    per_group = channels // num_groups
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # (sample, position, channel) in exactly that memory order: contiguous() is a no-op for channels-last
+    # memory and a copy otherwise (reshape alone may return a transposed view, summed in another order).
+    rows = x.movedim(1, -1).contiguous().view(n, -1, channels).to(compute)
+    count = rows.shape[1] * per_group
+
+    def group_sum(t):  # (sample, position, channel) -> (sample, group, 1)
+        return t.sum(dim=1).view(n, num_groups, per_group).sum(dim=2, keepdim=True)
+
+    def per_channel(t):  # (sample, group, 1) -> (sample, channel)
+        return t.expand(n, num_groups, per_group).reshape(n, channels)
+
+    mean = group_sum(rows) / count
+    var = group_sum((rows - per_channel(mean)[:, None, :]).square_()) / count
+    scale = per_channel(torch.rsqrt(var + eps))
+    if weight is not None:
+        scale = scale * weight.to(compute)
+    shift = -per_channel(mean) * scale
+    if bias is not None:
+        shift = shift + bias.to(compute)
+    # Normalised in the (sample, position, channel) layout too: elementwise kernels round
+    # differently by layout (fused multiply-add or not), so the layout is fixed here as well.
+    out = torch.addcmul(shift[:, None, :], rows, scale[:, None, :]).to(x.dtype)
+    out = out.view(n, *x.shape[2:], channels).movedim(-1, 1)
+    return out.contiguous(memory_format=_memory_format(x))
 
 
 #: The op table: aten overload -> batch-invariant replacement. One place to read what is covered.

@@ -175,7 +175,7 @@ def test_kernels_off_control_varies_for_the_same_check(case, dtype):
     assert _varies(fn, make, sizes=(1, 2, 3, 4, 5, 6, 7, 8))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     k=st.integers(1, 300),
     n=st.integers(1, 300),
@@ -192,7 +192,7 @@ def test_kernels_linear_property_any_shape_any_batch_any_position(k, n, rows, ba
         assert torch.equal(_in_batch(fn, sample, others, position), fn(sample))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     cin=st.integers(1, 16),
     cout=st.integers(1, 16),
@@ -200,12 +200,15 @@ def test_kernels_linear_property_any_shape_any_batch_any_position(k, n, rows, ba
     kernel=st.sampled_from([1, 3]),
     stride=st.sampled_from([1, 2]),
     batch=st.integers(1, 8),
+    dtype=st.sampled_from(DTYPES),
+    channels_last=st.booleans(),
     data=st.data(),
 )
-def test_kernels_conv_property_any_shape_any_batch_any_position(cin, cout, size, kernel, stride, batch, data):
-    weight = torch.randn(cout, cin, kernel, kernel)
-    fn = lambda x: F.conv2d(x, weight, stride=stride, padding=kernel // 2)  # noqa: E731
-    sample, others = torch.randn(1, cin, size, size), torch.randn(batch - 1, cin, size, size)
+def test_kernels_conv_property_any_shape_any_batch_any_position(cin, cout, size, kernel, stride, batch, dtype, channels_last, data):
+    weight = torch.randn(cout, cin, kernel, kernel).to(dtype)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    fn = lambda x: F.conv2d(x.contiguous(memory_format=fmt), weight, stride=stride, padding=kernel // 2)  # noqa: E731
+    sample, others = torch.randn(1, cin, size, size).to(dtype), torch.randn(batch - 1, cin, size, size).to(dtype)
     position = data.draw(st.integers(0, batch - 1))
     with batch_invariant_kernels():
         assert torch.equal(_in_batch(fn, sample, others, position), fn(sample))
@@ -226,6 +229,14 @@ def test_kernels_conv_gives_the_same_bits_with_one_or_two_threads(cin, cout, siz
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_kernels_conv_transpose_takes_the_fixed_block_path_and_stays_invariant():
+    weight = torch.randn(6, 4, 3, 3, generator=torch.Generator().manual_seed(12))
+    fn = lambda x: F.conv_transpose2d(x, weight, stride=2, padding=1)  # noqa: E731
+    make = lambda count, gen: torch.randn(count, 6, 9, 9, generator=gen)  # noqa: E731
+    with batch_invariant_kernels():
+        assert not _varies(fn, make, sizes=(1, 2, 3, 5, 8))
 
 
 # --- still correct -----------------------------------------------------------------------------
@@ -255,6 +266,21 @@ def test_kernels_results_stay_close_to_a_float64_reference(dtype, tol):
         assert got.dtype == dtype and got.shape == want.shape
         scale = want.abs().max().item()
         assert (got.double() - want).abs().max().item() <= tol * max(scale, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernels_group_norm_and_conv_give_the_same_bits_in_either_layout(dtype):
+    # Activations arrive channels-last or not depending on the batch (a reshape copies or not).
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 128, 16, 16, generator=gen).to(dtype)
+    weight = torch.randn(8, 128, 3, 3, generator=gen).to(dtype)
+    with batch_invariant_kernels():
+        for fn in (lambda t: F.group_norm(t, 32), lambda t: F.conv2d(t, weight, padding=1)):
+            a, b = fn(x.contiguous()), fn(x.contiguous(memory_format=torch.channels_last))
+            assert torch.equal(a, b)
+    # The control: stock kernels round differently by layout here.
+    assert not torch.equal(F.group_norm(x.contiguous(), 32), F.group_norm(x.contiguous(memory_format=torch.channels_last), 32)) \
+        or not torch.equal(F.conv2d(x.contiguous(), weight, padding=1), F.conv2d(x.contiguous(memory_format=torch.channels_last), weight, padding=1))
 
 
 def test_kernels_group_norm_keeps_the_callers_memory_format():
