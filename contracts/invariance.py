@@ -37,6 +37,10 @@ class SeedContractError(ValueError):
         self.param = param
         super().__init__("batch invariance is on: " + "; ".join(self.violations))
 
+    def __reduce__(self):
+        # Crossing a Ray boundary pickles the error: rebuild it from its fields, not from args.
+        return (type(self), (self.violations, self.param))
+
 
 def parse_switch(name: str, value: str) -> bool:
     """Parse one switch value: 1/true/yes/on or 0/false/no/off (stripped, any case)."""

@@ -171,3 +171,14 @@ def test_seed_contract_greedy_llm_needs_no_seed_but_sampling_does():
     with pytest.raises(SeedContractError, match="seed is required"):
         validate_seed_contract(LLMSamplingParams(temperature=0.7), batch_invariant=True)
     validate_seed_contract(LLMSamplingParams(temperature=0.7, seed=3), batch_invariant=True)
+
+
+def test_seed_contract_error_survives_pickling_across_processes():
+    import pickle
+
+    import cloudpickle
+
+    err = SeedContractError(["seed is required: pass an integer seed", "latents is not allowed"], param="seed")
+    for dumps, loads in ((pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)):
+        again = loads(dumps(err))
+        assert str(again) == str(err) and again.violations == err.violations and again.param == "seed"

@@ -1,0 +1,350 @@
+"""The LLM stage's batch-invariance audit: measured, not asserted.
+
+For each kernel setting (off: the control, on: the LLM switch) one `LLMEngine` is started. The
+targets are the stage's own enhancement requests (chat template, system prompt, structured
+output on the embedded model) for a short and a long prompt. Each runs solo, then co-batched
+with 1..7 neighbours in several orderings, greedy and seeded. Neighbours differ in prompt length (random-token
+prompts and other enhancement requests that share the system prompt), in sampling and in
+output length, so the batch changes shape while the target decodes. Every co-batched run is
+queued while the scheduler is paused (`LLMEngine.generate_co_batched`), so all its requests
+enter the same step; `co_scheduled` records how many did.
+
+`differing_elements` counts, against the target's solo run, differing token ids plus differing
+logprob values (the top-k entries of every position, the sampled token's included).
+
+    python -m stages.audit.llm --json audit-llm.json [--model embedded:wide-llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from contracts import LLMSamplingParams
+
+#: The targets: a short enhancement request, and a long one whose KV cache spans several blocks
+#: (and, with split-KV on, gets split across threads).
+TARGETS = {
+    "short": "a lighthouse on a cliff at dusk",
+    "long": (
+        "a lighthouse on a cliff at dusk, waves breaking on the rocks below, a narrow path winding up "
+        "the hill between wild flowers, a small house with a red door and a warm window, seagulls "
+        "circling in the wind, a fishing boat returning to the harbour with its lamps lit, clouds "
+        "torn open by the last light of the sun, the first stars over the sea, a dog sitting on the "
+        "steps and looking at the water, an old keeper climbing the stairs with a lantern, reflections "
+        "of the beam on the wet stones, a quiet village in the distance with smoke rising from the "
+        "chimneys, moss on the walls, rain drops on the glass, a detailed and calm scene"
+    ),
+}
+TARGET_SEED = 1234
+TOP_LOGPROBS = 5
+# The neighbours: (kind, prompt length or user prompt, sampling, max_tokens); the first n-1 join a
+# batch of n. Enhancements ("enhance", max_tokens 0) take the audit's max_tokens, as the target does.
+NEIGHBOURS: tuple[tuple[str, Any, str, int], ...] = (
+    ("tokens", 5, "seeded", 40),
+    ("enhance", "a small village in the snow", "greedy", 0),
+    ("tokens", 113, "greedy", 8),
+    ("tokens", 13, "seeded", 60),
+    ("enhance", "portrait of an old fisherman, detailed, warm colors, close up", "seeded", 0),
+    ("tokens", 71, "seeded", 3),
+    ("tokens", 29, "greedy", 24),
+)
+ORDERINGS = ("target-first", "target-last", "target-middle", "shuffled")
+SAMPLINGS = ("greedy", "seeded")
+#: Experiments beside the supported configuration: the kernels on, one engine setting changed.
+ABLATIONS: dict[str, dict[str, Any]] = {
+    # A token budget small enough that a co-batched target's prefill gets chunked. Greedy only:
+    # vLLM 0.32's CPU runner crashes on a seeded request whose prefill is chunked.
+    "chunked-prefill": {
+        "args": {"enable_chunked_prefill": True, "max_num_batched_tokens": 256},
+        "env": {},
+        "greedy_only": True,
+    },
+    # Prefix caching is on anyway; blocks of 32 tokens make the shared system prompt hit it.
+    "prefix-caching": {"args": {"enable_prefix_caching": True, "block_size": 32}, "env": {}},
+    "split-kv": {"args": {}, "env": {"VLLM_CPU_ATTN_SPLIT_KV": "1"}},
+    # vLLM's compiled mode (Dynamo + Inductor) instead of eager.
+    "compile": {"args": {"enforce_eager": False}, "env": {}},
+}
+
+
+def count_differences(reference: dict, result: dict) -> tuple[int, int, int]:
+    """(differing token ids, differing logprob values, total elements of the reference)."""
+    ref_ids, ids = reference["token_ids"], result["token_ids"]
+    tokens = sum(a != b for a, b in zip(ref_ids, ids)) + abs(len(ref_ids) - len(ids))
+    ref_top, top = reference["top_logprobs"], result["top_logprobs"]
+    logprobs = 0
+    for i in range(max(len(ref_top), len(top))):
+        a = dict(map(tuple, ref_top[i])) if i < len(ref_top) else {}
+        b = dict(map(tuple, top[i])) if i < len(top) else {}
+        logprobs += sum(a.get(k) != b.get(k) for k in a.keys() | b.keys())
+    total = len(ref_ids) + sum(len(step) for step in ref_top)
+    return tokens, logprobs, total
+
+
+def batch_orders(batch_size: int, orderings: Iterable[str]) -> list[tuple[str, list[int]]]:
+    """Request orders for one batch size: -1 is the target, i >= 0 is NEIGHBOURS[i]; duplicates dropped."""
+    neighbours = list(range(batch_size - 1))
+    seen, orders = set(), []
+    for ordering in orderings:
+        if ordering == "target-first":
+            order = [-1, *neighbours]
+        elif ordering == "target-last":
+            order = [*neighbours, -1]
+        elif ordering == "target-middle":
+            half = len(neighbours) // 2
+            order = [*neighbours[:half], -1, *neighbours[half:]]
+        elif ordering == "shuffled":
+            order = [-1, *neighbours]
+            random.Random(batch_size).shuffle(order)
+        else:
+            raise ValueError(f"unknown ordering {ordering!r}; expected one of {ORDERINGS}")
+        if tuple(order) not in seen:
+            seen.add(tuple(order))
+            orders.append((ordering, order))
+    return orders
+
+
+class _Requests:
+    """Builds fresh vLLM requests (vLLM may mutate SamplingParams, so never reuse one)."""
+
+    def __init__(self, engine, max_tokens: int, greedy_only: bool = False):
+        self.engine = engine
+        self.max_tokens = max_tokens
+        self.greedy_only = greedy_only
+        vocab = len(engine.tokenizer)
+        # Ids past the embedded tokenizer's special tokens.
+        rng = random.Random(7)
+        self.token_prompts = {
+            length: [rng.randrange(7, vocab) for _ in range(length)]
+            for kind, length, _, _ in NEIGHBOURS
+            if kind == "tokens"
+        }
+
+    def _params(self, sampling: str, seed: int, max_tokens: int) -> LLMSamplingParams:
+        if sampling == "greedy" or self.greedy_only:
+            return LLMSamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP_LOGPROBS)
+        return LLMSamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=max_tokens, logprobs=TOP_LOGPROBS)
+
+    def enhancement(self, prompt: str, sampling: str, seed: int):
+        ids = self.engine.encode_enhancement(prompt)
+        params, extra = self.engine.enhancement_params(self._params(sampling, seed, self.max_tokens))
+        return ids, self.engine.vllm_params(params, len(ids), field="prompt", **extra)
+
+    def target(self, target: str, sampling: str):
+        return self.enhancement(TARGETS[target], sampling, TARGET_SEED)
+
+    def neighbour(self, index: int):
+        kind, what, sampling, max_tokens = NEIGHBOURS[index]
+        if kind == "enhance":
+            return self.enhancement(what, sampling, seed=100 + index)
+        ids = self.token_prompts[what]
+        params = self._params(sampling, 100 + index, max_tokens)
+        return ids, self.engine.vllm_params(params, len(ids), field="prompt")
+
+
+async def audit_engine(
+    engine,
+    *,
+    kernels: str,
+    targets: Sequence[str],
+    batch_sizes: Sequence[int],
+    orderings: Sequence[str],
+    samplings: Sequence[str],
+    max_tokens: int,
+    ablation: str | None = None,
+    log=print,
+) -> list[dict]:
+    """All runs for one started engine: per target and sampling, a solo reference, a solo repeat, then co-batched."""
+    greedy_only = bool(ablation and ABLATIONS[ablation].get("greedy_only"))
+    requests = _Requests(engine, max_tokens, greedy_only=greedy_only)
+    if greedy_only:
+        samplings = [s for s in samplings if s == "greedy"]
+    runs = []
+    threads = {r.get("torch_threads") for r in engine.worker_reports}
+    base = {"stage": "llm", "model": engine.model.name, "kernels": kernels, "dtype": engine.settings.args["dtype"]}
+    if ablation:
+        base["ablation"] = ablation
+    for target in targets:
+        for sampling in samplings:
+            (reference,) = await engine.generate_co_batched([requests.target(target, sampling)])
+            plan = [("solo-repeat", [-1])] if 1 in batch_sizes else []
+            for size in batch_sizes:
+                if size > 1:
+                    plan += batch_orders(size, orderings)
+            for ordering, order in plan:
+                batch = [requests.target(target, sampling) if i < 0 else requests.neighbour(i) for i in order]
+                started = time.monotonic()
+                results = await engine.generate_co_batched(batch)
+                mine = results[order.index(-1)]
+                tokens, logprobs, total = count_differences(reference, mine)
+                run = {
+                    **base,
+                    # What the evidence table groups by, beside stage, model, dtype and kernels.
+                    "detail": f"{target} prompt, {sampling}, {'/'.join(map(str, sorted(threads)))} worker thread(s)"
+                    + (f", ablation {ablation}" if ablation else ""),
+                    "target": target,
+                    "ordering": ordering,
+                    "batch_size": len(order),
+                    "sampling": sampling,
+                    "differing_elements": tokens + logprobs,
+                    "total_elements": total,
+                    "differing_token_ids": tokens,
+                    "differing_logprobs": logprobs,
+                    "target_position": order.index(-1),
+                    "target_prompt_tokens": len(batch[order.index(-1)][0]),
+                    "target_cached_tokens": mine["cached_tokens"],
+                    "reference_cached_tokens": reference["cached_tokens"],
+                    "neighbours": [NEIGHBOURS[i][:2] for i in order if i >= 0],
+                    "co_scheduled": sum(r["scheduled_ts"] == mine["scheduled_ts"] for r in results)
+                    if mine["scheduled_ts"]
+                    else None,
+                    "target_tokens": len(mine["token_ids"]),
+                    "target_text": mine["text"],
+                    "seconds": round(time.monotonic() - started, 2),
+                }
+                runs.append(run)
+                log(
+                    f"[llm audit] kernels={kernels}{'/' + ablation if ablation else ''} {target} {sampling} "
+                    f"batch={run['batch_size']} {ordering}: {run['differing_elements']}/{total} differ "
+                    f"(co-scheduled {run['co_scheduled']}, cached {run['target_cached_tokens']})"
+                )
+    return runs
+
+
+async def _run(
+    model: str | None,
+    kernels: Sequence[str],
+    targets: Sequence[str],
+    batch_sizes: Sequence[int],
+    orderings: Sequence[str],
+    samplings: Sequence[str],
+    max_tokens: int,
+    ablation: str | None,
+    engine_kwargs: dict,
+    log,
+) -> tuple[list[dict], dict]:
+    from stages.llm import LLMEngine
+
+    runs, engines = [], {}
+    for setting in kernels:
+        engine = LLMEngine(model, batch_invariant=(setting == "on"), disable_log_stats=False, **engine_kwargs)
+        label = setting
+        if ablation and setting == "on":
+            # Deliberately off the supported path: revert one invariance setting after validation.
+            engine.settings.args.update(ABLATIONS[ablation]["args"])
+            engine.settings.environment.update(ABLATIONS[ablation]["env"])
+        await engine.start()
+        log(f"[llm audit] engine kernels={label} started in {engine.startup_s} s")
+        try:
+            runs += await audit_engine(
+                engine,
+                kernels=setting,
+                targets=targets,
+                batch_sizes=batch_sizes,
+                orderings=orderings,
+                samplings=samplings,
+                max_tokens=max_tokens,
+                ablation=ablation if setting == "on" else None,
+                log=log,
+            )
+            engines[setting] = engine.describe()
+        finally:
+            engine.shutdown()
+    return runs, engines
+
+
+def run_llm_audit(
+    model: str | None = None,
+    *,
+    kernels: Sequence[str] = ("off", "on"),
+    targets: Sequence[str] = tuple(TARGETS),
+    batch_sizes: Sequence[int] = tuple(range(1, 9)),
+    orderings: Sequence[str] = ORDERINGS,
+    samplings: Sequence[str] = SAMPLINGS,
+    max_tokens: int = 16,
+    ablation: str | None = None,
+    command: Sequence[str] | None = None,
+    log=print,
+    **engine_kwargs: Any,
+) -> dict:
+    """Run the audit (starts one engine per kernel setting; call under `if __name__ == "__main__":`).
+
+    Returns {"runs": [...], "summary": {...}, "environment": {...}}.
+    """
+    if any(size < 1 or size > 1 + len(NEIGHBOURS) for size in batch_sizes):
+        raise ValueError(f"batch sizes must be in 1..{1 + len(NEIGHBOURS)}")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        raise ValueError(f"unknown targets {unknown}; expected some of {sorted(TARGETS)}")
+    if ablation is not None and ablation not in ABLATIONS:
+        raise ValueError(f"unknown ablation {ablation!r}; expected one of {sorted(ABLATIONS)}")
+    from stages.audit.report import environment, summarize
+
+    started = time.time()
+    env = environment(command)
+    runs, engines = asyncio.run(
+        _run(model, kernels, targets, batch_sizes, orderings, samplings, max_tokens, ablation, engine_kwargs, log)
+    )
+    # The model runs in vLLM's worker: its engine arguments and kernel reports, per setting.
+    env["engines"] = engines
+    env["seconds"] = round(time.time() - started, 1)
+    summary = summarize(runs)
+    summary["all_co_scheduled"] = all(r["co_scheduled"] in (None, r["batch_size"]) for r in runs)
+    return {"runs": runs, "summary": summary, "environment": env}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The audit's options, for `python -m stages.audit.llm` and `omniserve audit --stage llm`."""
+    parser.add_argument("--json", metavar="PATH", help="write the full result here")
+    parser.add_argument("--markdown", metavar="PATH", help="write the evidence table here")
+    parser.add_argument("--model", default=None, help="local path, hub id, or embedded[:name] (default: embedded)")
+    parser.add_argument("--kernels", default="off,on", help="comma-separated: off,on")
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--batch-sizes", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--orderings", default=",".join(ORDERINGS))
+    parser.add_argument("--samplings", default=",".join(SAMPLINGS))
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--torch-threads", type=int, default=None, help="OpenMP threads of vLLM's CPU worker")
+    parser.add_argument("--ablation", choices=sorted(ABLATIONS), help="kernels on, one engine setting changed")
+    return parser
+
+
+def run(args: argparse.Namespace, command: Sequence[str] | None = None) -> int:
+    """Run from parsed options; exit status 1 when the switch failed to make the stage invariant."""
+    result = run_llm_audit(
+        args.model,
+        kernels=[k for k in args.kernels.split(",") if k],
+        targets=[t for t in args.targets.split(",") if t],
+        batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b],
+        orderings=[o for o in args.orderings.split(",") if o],
+        samplings=[s for s in args.samplings.split(",") if s],
+        max_tokens=args.max_tokens,
+        ablation=args.ablation,
+        dtype=args.dtype,
+        torch_threads=args.torch_threads,
+        command=command,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    from stages.audit.report import write_outputs
+
+    write_outputs(result, args.json, getattr(args, "markdown", None))
+    print(json.dumps(result["summary"], indent=2))
+    return 0 if result["summary"].get("invariant", True) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m stages.audit.llm", description=__doc__.split("\n")[0]))
+    args = parser.parse_args(argv)
+    return run(args, command=["python", "-m", "stages.audit.llm", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Tiny Llama models with random weights and a locally trained tokenizer, built from a fixed seed.
+
+Nothing can be downloaded where this project runs, so the LLM stage's embedded default is built
+here on first use: a byte-level BPE tokenizer trained (with `tokenizers`) on a fixed corpus of
+prompt-writing words, and a `LlamaForCausalLM` whose weights come from `torch.manual_seed(seed)`.
+The result is a normal Hugging Face model directory that vLLM loads like any other.
+
+Builds are atomic (a temporary directory renamed into place, its marker written last), so
+concurrent first uses in several processes never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import cache_root
+
+#: Bump when the build procedure changes, so old cached builds are not reused.
+BUILD_VERSION = 2
+MARKER = "omniserve-built.json"
+
+# Style vocabulary: the embedded default's structured output picks from these (see `STYLE_GRAMMAR`).
+STYLES = (
+    "watercolor",
+    "oil painting",
+    "pencil sketch",
+    "digital art",
+    "film photograph",
+    "ink wash",
+    "pastel drawing",
+    "low poly render",
+)
+LIGHTING = (
+    "soft morning light",
+    "golden hour",
+    "overcast daylight",
+    "neon glow",
+    "candlelight",
+    "moonlight",
+    "studio lighting",
+    "dramatic shadows",
+)
+MOODS = ("calm", "dreamy", "vivid", "moody", "serene", "whimsical")
+
+# A GBNF/EBNF grammar (xgrammar, through vLLM's structured output): "<style>, <lighting>[, <mood>]".
+STYLE_GRAMMAR = (
+    'root ::= style ", " lighting mood?\n'
+    "style ::= " + " | ".join(json.dumps(s) for s in STYLES) + "\n"
+    "lighting ::= " + " | ".join(json.dumps(s) for s in LIGHTING) + "\n"
+    'mood ::= ", " (' + " | ".join(json.dumps(s) for s in MOODS) + ")\n"
+)
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+# Roles map onto their own special tokens; unknown roles are refused by the stage, not here.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+_SUBJECTS = (
+    "a cat", "a dog", "a fox", "an owl", "a lighthouse", "a mountain lake", "a city street", "a forest path",
+    "a sailing boat", "an old castle", "a bowl of fruit", "a portrait of a woman", "a robot", "a dragon",
+    "a garden", "a desert", "a waterfall", "a bridge", "a train station", "a small village", "the sea",
+)
+_WORDS = (
+    "the a an of in on at with and under over near beside through across beautiful detailed highly "
+    "intricate colorful quiet bright dark warm cold red blue green yellow purple orange white black "
+    "sky cloud sun moon star rain snow wind tree flower river hill field house window door road "
+    "sitting standing running flying sleeping walking looking painted drawn rendered style light "
+    "shadow color texture background foreground composition scene view close wide angle photo art "
+    "prompt image picture describe rewrite improve add keep short clear please write one line"
+)
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Everything that decides a built model's bytes (with the library versions)."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 2048
+    tokenizer_vocab_size: int = 1024  # an upper bound: the fixed corpus yields 694 tokens
+    seed: int = 20240229
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def fingerprint(self) -> str:
+        blob = json.dumps({**asdict(self), "build_version": BUILD_VERSION}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+# vLLM's CPU attention takes head_dim 32/64/...; 64 is the smallest common one (16 is refused).
+#: The embedded default: small enough to start in seconds, wide enough (down projection K = 1408)
+#: that oneDNN computes a solo decode row differently from a co-batched one, so the audit's
+#: control varies (docs/llm_invariance_notes.md).
+TINY = TinyLlamaSpec(
+    name="tiny-llama",
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
+#: A wider check for the audit (`--model embedded:wide-llama`); its control varies too.
+WIDE = TinyLlamaSpec(
+    name="wide-llama",
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=2,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+)
+SPECS = {spec.name: spec for spec in (TINY, WIDE)}
+
+
+def model_dir(spec: TinyLlamaSpec = TINY) -> Path:
+    return cache_root() / "llm" / f"{spec.name}-{spec.fingerprint()}"
+
+
+def ensure_tiny_llama(spec: TinyLlamaSpec | str = TINY) -> Path:
+    """Return the directory of `spec`'s model, building and caching it on first use."""
+    if isinstance(spec, str):
+        if spec not in SPECS:
+            raise ValueError(f"unknown embedded LLM {spec!r}; expected one of {sorted(SPECS)}")
+        spec = SPECS[spec]
+    final = model_dir(spec)
+    if (final / MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        _build(spec, tmp)
+        record = {**asdict(spec), "build_version": BUILD_VERSION, "weights_sha256": weights_fingerprint(tmp)}
+        # The marker goes last: a directory without it is never trusted.
+        (tmp / MARKER).write_text(json.dumps(record, indent=2))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process won the race (or left a broken directory): trust only a marked one.
+            if not (final / MARKER).is_file():
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def weights_fingerprint(directory: Path) -> str:
+    """sha256 over the files that decide the model's outputs: weights, config, tokenizer."""
+    digest = hashlib.sha256()
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        digest.update(name.encode())
+        digest.update((Path(directory) / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _corpus() -> list[str]:
+    lines = [" ".join(_WORDS.split()[i : i + 9]) for i in range(0, len(_WORDS.split()), 9)]
+    for subject in _SUBJECTS:
+        for i, style in enumerate(STYLES):
+            light = LIGHTING[(i + len(subject)) % len(LIGHTING)]
+            mood = MOODS[(i + len(subject)) % len(MOODS)]
+            lines.append(f"{subject}, {style}, {light}, {mood}")
+    return lines
+
+
+def build_tokenizer(spec: TinyLlamaSpec):
+    """A byte-level BPE tokenizer (any text encodes) trained on the fixed corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.tokenizer_vocab_size,
+        min_frequency=1,
+        special_tokens=[BOS, EOS, PAD, *ROLE_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    # Plain prompts get a BOS like Llama's; chat prompts carry it through the template instead.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS),
+        model_max_length=spec.max_position_embeddings,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _build(spec: TinyLlamaSpec, out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(spec)
+    tokenizer.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),  # exactly the tokenizer's: no id the model emits is undecodable
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    # Fork the global RNG so building never disturbs the caller's random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)

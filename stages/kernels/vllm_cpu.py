@@ -1,0 +1,152 @@
+"""Batch-invariant vLLM on CPU, installed inside vLLM's own processes.
+
+vLLM runs the model in worker processes it spawns itself, not in the Ray actor that owns the
+engine, so kernels enabled in the actor never reach the model. vLLM loads every
+`vllm.general_plugins` entry point in each process it starts; `register` below is ours
+(pyproject: `omniserve-cpu-invariance`). It does nothing unless the LLM stage switched
+invariance on for that engine, by putting `engine_environment(True)` into the environment
+the engine processes inherit.
+
+What it changes, and why:
+- Linear layers. vLLM's CPU `LinearBase`/`ParallelLMHead` never call `aten::mm`:
+  `dispatch_cpu_unquantized_gemm` binds each layer at load time to oneDNN (`onednn_mm`), to
+  packed sgl GEMMs (AMX machines) or to zentorch, whose kernel choice follows the number of
+  tokens in the step (measured: oneDNN computes one row differently from two or more when K
+  is large), so a row's result depends on its neighbours. Under invariance each 2-D
+  layer is bound to `F.linear` instead, which reaches `aten::mm`/`addmm`, where
+  `stages.kernels` installs its fixed-shape-blocked kernels (enabled in the process that
+  loads the model, on first use). Other weights (MoE experts, quantized layers) keep vLLM's
+  kernels and are not covered.
+- CPU attention split-KV. `VLLM_CPU_ATTN_SPLIT_KV` lets the attention scheduler cut a decode
+  request's KV range into pieces sized from the whole step's workload, which changes the
+  reduction order with the batch; it is turned off.
+The engine arguments invariance needs (eager execution; whole prefills, which CPU engines
+need anyway) are set by `stages.llm`. Evidence for each: docs/llm_invariance_notes.md.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+#: Set to "1" in the environment of an engine's processes to make them batch invariant.
+SWITCH_ENV = "OMNISERVE_VLLM_CPU_INVARIANT"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"patched": False, "rerouted": [], "kept": [], "kernels": None}
+
+
+def engine_environment(batch_invariant: bool) -> dict[str, str]:
+    """Environment variables an engine's processes need; the stage sets them while spawning."""
+    if not batch_invariant:
+        return {SWITCH_ENV: "0"}
+    return {SWITCH_ENV: "1", "VLLM_CPU_ATTN_SPLIT_KV": "0"}
+
+
+def switched_on(environ: Any = None) -> bool:
+    return (os.environ if environ is None else environ).get(SWITCH_ENV, "0") == "1"
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: runs in every vLLM process, at most once each."""
+    if not switched_on():
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return  # CUDA engines use vLLM's own VLLM_BATCH_INVARIANT mode (see stages.llm)
+    # The attention metadata builder reads this on every step; a value given explicitly
+    # (the audit's split-kv ablation) is kept.
+    os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    _patch_gemm_dispatch()
+
+
+def _patch_gemm_dispatch() -> None:
+    from vllm.model_executor.layers import utils as layer_utils
+
+    with _lock:
+        if _state["patched"]:
+            return
+        stock = layer_utils.dispatch_cpu_unquantized_gemm
+
+        def dispatch_batch_invariant(layer, remove_weight: bool) -> None:
+            if not _reroutable(layer):
+                _state["kept"].append(type(layer).__name__)
+                return stock(layer, remove_weight)
+            _ensure_kernels()
+            # The weight stays (never packed or removed): F.linear reads it on every call.
+            layer.cpu_linear = _linear
+            _state["rerouted"].append(tuple(layer.weight.shape))
+
+        dispatch_batch_invariant.__wrapped__ = stock  # type: ignore[attr-defined]
+        # linear.py and vocab_parallel_embedding.py import this name at call time, so
+        # replacing the module attribute reaches every layer loaded after this point.
+        layer_utils.dispatch_cpu_unquantized_gemm = dispatch_batch_invariant
+        _state["patched"] = True
+
+
+def _reroutable(layer) -> bool:
+    import torch
+
+    weight = layer.weight
+    return (
+        not weight.is_meta
+        and weight.ndim == 2
+        and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def _linear(x, weight, bias):
+    import torch.nn.functional as F
+
+    # 2-D input and weight: aten::linear decomposes to aten::mm / aten::addmm, the ops
+    # stages.kernels overrides on the CPU dispatch key.
+    return F.linear(x, weight, bias)
+
+
+def _ensure_kernels() -> None:
+    if _state["kernels"] is not None:
+        return
+    from stages.kernels import enable_batch_invariant_kernels
+
+    report = enable_batch_invariant_kernels("cpu")
+    if not report.installed:
+        raise RuntimeError(f"batch invariance was requested but no CPU kernels installed: {report.reason}")
+    _state["kernels"] = report
+
+
+def process_report() -> dict:
+    """What this process installed: the kernel report and which layers were rerouted."""
+    from stages.kernels import current_report
+
+    import torch
+
+    return {
+        "pid": os.getpid(),
+        "torch_threads": torch.get_num_threads(),
+        "switch": switched_on(),
+        "attention_split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0",
+        "gemm_dispatch_patched": _state["patched"],
+        "rerouted_linear_layers": len(_state["rerouted"]),
+        "stock_gemm_layers": len(_state["kept"]),
+        "kernels": current_report().to_dict(),
+        # On CUDA, vLLM's own mode (VLLM_BATCH_INVARIANT=1 -> init_batch_invariance()).
+        "vllm_batch_invariant_mode": _vllm_mode(),
+    }
+
+
+def _vllm_mode() -> bool:
+    try:
+        from vllm.model_executor.determinism import batch_invariant
+    except ImportError:
+        return False
+    return bool(getattr(batch_invariant, "_batch_invariant_MODE", False))
+
+
+class InvarianceReportExtension:
+    """A vLLM worker extension (`worker_extension_cls`): lets the engine owner ask each worker
+    what it installed, through `collective_rpc("omniserve_invariance_report")`."""
+
+    def omniserve_invariance_report(self) -> dict:
+        return process_report()

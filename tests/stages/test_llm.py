@@ -1,0 +1,289 @@
+"""The LLM stage without a running engine: embedded model, engine settings, plugin, request checks, audit helpers."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contracts import LLMSamplingParams
+from stages.audit.llm import NEIGHBOURS, batch_orders, count_differences
+from stages.embedded import llm as embedded
+from stages.kernels import vllm_cpu
+from stages.llm import (
+    INVARIANT_CPU_ENGINE_ARGS,
+    LLMRequestError,
+    ModelChoice,
+    _messages,
+    _params,
+    engine_settings,
+    resolve_model,
+    spawn_environment,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHOICE = ModelChoice("/models/tiny", "embedded:tiny-llama", True)
+
+
+def settings(batch_invariant, device="cpu", **overrides):
+    return engine_settings(
+        CHOICE,
+        batch_invariant=batch_invariant,
+        device=device,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=8,
+        kv_cache_gib=None,
+        gpu_memory_utilization=None,
+        torch_threads=None,
+        overrides=overrides,
+    )
+
+
+# --- the embedded model -------------------------------------------------------------------
+
+
+def test_llm_embedded_build_is_deterministic_across_fresh_cache_roots(tmp_path, monkeypatch):
+    built = []
+    for root in ("first", "second"):
+        monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path / root))
+        built.append(embedded.ensure_tiny_llama())
+    first, second = built
+    assert first != second
+    marks = [json.loads((d / embedded.MARKER).read_text()) for d in built]
+    assert marks[0]["weights_sha256"] == marks[1]["weights_sha256"] == embedded.weights_fingerprint(first)
+    config = json.loads((first / "config.json").read_text())
+    # vLLM's CPU attention refuses head_dim 16; 64 is what the embedded models use.
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 64
+
+
+def test_llm_embedded_build_is_reused_and_an_unmarked_directory_is_never_trusted(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
+    target = embedded.model_dir(embedded.TINY)
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("half-written")
+    built = embedded.ensure_tiny_llama()
+    assert built == target and (built / embedded.MARKER).is_file()
+    stamp = (built / "model.safetensors").stat().st_mtime_ns
+    assert embedded.ensure_tiny_llama() == built
+    assert (built / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(".")], "temporary build left behind"
+
+
+def test_llm_embedded_concurrent_first_builds_agree(tmp_path):
+    code = "from stages.embedded.llm import ensure_tiny_llama; print(ensure_tiny_llama())"
+    env = {**os.environ, "OMNISERVE_CACHE": str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    paths = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(paths) == 1 and (Path(paths.pop()) / embedded.MARKER).is_file()
+
+
+def test_llm_embedded_tokenizer_chat_template_and_any_text_round_trip(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(embedded.ensure_tiny_llama())
+    text = "a cat, watercolor, soft morning light — ünïcode ✓"
+    assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|begin_of_text|><|user|>hi<|end|><|assistant|>"
+
+
+def test_llm_style_grammar_accepts_style_phrases_only():
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from xgrammar import Grammar
+
+    grammar = Grammar.from_ebnf(embedded.STYLE_GRAMMAR)
+    assert _is_grammar_accept_string(grammar, "watercolor, soft morning light")
+    assert _is_grammar_accept_string(grammar, "ink wash, moonlight, dreamy")
+    assert not _is_grammar_accept_string(grammar, "watercolor")
+    assert not _is_grammar_accept_string(grammar, "free text of any kind")
+
+
+# --- engine settings: where the switch becomes vLLM configuration --------------------------
+
+
+def test_llm_switch_on_cpu_sets_plugin_environment_and_invariant_engine_args():
+    on = settings(True)
+    assert on.environment[vllm_cpu.SWITCH_ENV] == "1"
+    assert on.environment["VLLM_CPU_ATTN_SPLIT_KV"] == "0"
+    for name, (value, _why) in INVARIANT_CPU_ENGINE_ARGS.items():
+        assert on.args[name] == value
+    assert on.args["worker_extension_cls"].endswith("InvarianceReportExtension")
+
+
+def test_llm_switch_off_leaves_the_plugin_off_and_vllm_defaults_alone():
+    off = settings(False)
+    assert off.environment == {vllm_cpu.SWITCH_ENV: "0"}
+    assert "enable_prefix_caching" not in off.args
+
+
+def test_llm_cpu_never_chunks_prefill_because_vllm_cpu_crashes_on_seeded_chunks():
+    assert settings(False).args["enable_chunked_prefill"] is False
+    assert settings(True).args["enable_chunked_prefill"] is False
+
+
+def test_llm_switch_on_cuda_uses_vllms_own_mode():
+    on = settings(True, device="cuda")
+    assert on.environment["VLLM_BATCH_INVARIANT"] == "1"
+    assert vllm_cpu.SWITCH_ENV not in on.environment
+    assert settings(False, device="cuda").environment["VLLM_BATCH_INVARIANT"] == "0"
+
+
+def test_llm_override_that_breaks_invariance_is_refused():
+    name, (value, _why) = next(iter(INVARIANT_CPU_ENGINE_ARGS.items()))
+    with pytest.raises(ValueError, match=name):
+        settings(True, **{name: not value})
+    assert settings(False, **{name: not value}).args[name] == (not value)
+
+
+def test_llm_kv_cache_is_small_by_default_and_configurable():
+    assert settings(False).args["kv_cache_memory_bytes"] == 256 << 20
+    assert "gpu_memory_utilization" not in settings(False).args
+    with pytest.raises(ValueError, match="not both"):
+        engine_settings(
+            CHOICE, batch_invariant=False, device="cpu", dtype="float32", max_model_len=64, max_num_seqs=1,
+            kv_cache_gib=1, gpu_memory_utilization=0.5, torch_threads=None, overrides={},
+        )
+
+
+def test_llm_spawn_environment_is_restored_exactly(monkeypatch):
+    monkeypatch.setenv("OMNISERVE_TEST_KEEP", "before")
+    monkeypatch.delenv("OMNISERVE_TEST_NEW", raising=False)
+    with spawn_environment({"OMNISERVE_TEST_KEEP": "during", "OMNISERVE_TEST_NEW": "x"}):
+        assert os.environ["OMNISERVE_TEST_KEEP"] == "during" and os.environ["OMNISERVE_TEST_NEW"] == "x"
+    assert os.environ["OMNISERVE_TEST_KEEP"] == "before" and "OMNISERVE_TEST_NEW" not in os.environ
+
+
+def test_llm_model_resolution_embedded_default_and_pass_through(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
+    default = resolve_model(None)
+    assert default.embedded and default.name == "embedded:tiny-llama" and Path(default.path).is_dir()
+    assert resolve_model("org/some-instruct-model") == ModelChoice("org/some-instruct-model", "org/some-instruct-model", False)
+    with pytest.raises(ValueError, match="unknown embedded"):
+        resolve_model("embedded:nope")
+
+
+# --- the vLLM plugin, inside a fresh process like vLLM's own --------------------------------
+
+_PLUGIN_PROBE = """
+import json, os, sys, torch
+os.environ["OMNISERVE_VLLM_CPU_INVARIANT"] = sys.argv[1]
+from vllm.model_executor.layers import utils
+from stages.kernels import vllm_cpu
+vllm_cpu.register()
+torch.manual_seed(0)
+layer = torch.nn.Module()
+# The control model's down projection (K = 2816): oneDNN computes one row (a solo decode
+# step) differently from two or more, measured on this machine kind.
+layer.weight = torch.nn.Parameter(torch.randn(1024, 2816) * 0.02, requires_grad=False)
+utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+x = torch.randn(8, 2816)
+solo = layer.cpu_linear(x[:1], layer.weight, None)
+rows = [layer.cpu_linear(x[:n], layer.weight, None)[:1] for n in range(2, 9)]
+print(json.dumps({"equal": all(torch.equal(solo, r) for r in rows), "report": vllm_cpu.process_report()}))
+"""
+
+
+def _probe(switch: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _PLUGIN_PROBE, switch], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_llm_plugin_reroutes_vllm_cpu_linear_through_the_invariant_kernels():
+    on = _probe("1")
+    assert on["equal"], "a row's result changed with the number of rows beside it"
+    assert on["report"]["gemm_dispatch_patched"] and on["report"]["rerouted_linear_layers"] == 1
+    assert on["report"]["kernels"]["installed"] and "aten::mm" in on["report"]["kernels"]["ops"]
+
+
+def test_llm_plugin_control_stock_vllm_cpu_linear_varies_with_rows_and_is_left_alone():
+    off = _probe("0")
+    assert not off["report"]["gemm_dispatch_patched"] and not off["report"]["kernels"]["installed"]
+    # The control: without the plugin, vLLM's oneDNN GEMM gives the same row different bits.
+    assert not off["equal"]
+
+
+def test_llm_plugin_is_registered_as_a_vllm_general_plugin():
+    from importlib.metadata import entry_points
+
+    values = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "stages.kernels.vllm_cpu:register" in values
+
+
+# --- request checks -------------------------------------------------------------------------
+
+
+def test_llm_request_error_survives_pickling_with_its_field():
+    err = pickle.loads(pickle.dumps(LLMRequestError("messages[0].role must be one of ...", "messages.0.role")))
+    assert isinstance(err, ValueError) and err.param == "messages.0.role" and "role" in str(err)
+
+
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({"temperature": 3.0}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": True}, "seed"),
+        ({"unknown": 1}, "unknown"),
+    ],
+)
+def test_llm_bad_sampling_params_raise_a_typed_error_naming_the_field(params, param):
+    with pytest.raises(LLMRequestError) as err:
+        _params(params)
+    assert err.value.param == param
+
+
+def test_llm_sampling_params_pass_through_unchanged():
+    params = LLMSamplingParams(seed=3, temperature=0.7, max_tokens=5)
+    assert _params(params) is params
+    assert _params({"seed": 3, "temperature": 0.7, "max_tokens": 5}) == params
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([], "messages"),
+        ("hello", "messages"),
+        ([{"role": "robot", "content": "hi"}], "messages.0.role"),
+        ([{"role": "user", "content": 3}], "messages.0.content"),
+        (["hi"], "messages.0"),
+    ],
+)
+def test_llm_bad_messages_raise_a_typed_error_naming_the_field(messages, param):
+    with pytest.raises(LLMRequestError) as err:
+        _messages(messages)
+    assert err.value.param == param
+
+
+# --- audit helpers --------------------------------------------------------------------------
+
+
+def test_llm_audit_counts_differing_tokens_and_logprobs():
+    ref = {"token_ids": [1, 2], "top_logprobs": [[[1, -0.5], [3, -1.0]], [[2, -0.25]]]}
+    same = json.loads(json.dumps(ref))
+    assert count_differences(ref, same) == (0, 0, 5)
+    other = {"token_ids": [1, 4], "top_logprobs": [[[1, -0.5], [3, -1.0000001]], [[4, -0.25]]]}
+    assert count_differences(ref, other) == (1, 3, 5)
+
+
+def test_llm_audit_orders_cover_positions_without_duplicates():
+    for size in range(2, 2 + len(NEIGHBOURS)):
+        orders = batch_orders(size, ("target-first", "target-last", "target-middle", "shuffled"))
+        assert len({tuple(o) for _, o in orders}) == len(orders)
+        for _, order in orders:
+            assert sorted(order) == [-1, *range(size - 1)]
+        positions = {order.index(-1) for _, order in orders}
+        assert {0, size - 1} <= positions
