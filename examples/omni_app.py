@@ -1,0 +1,12 @@
+"""The whole app on embedded defaults: `serve run examples.omni_app:app` (what `make serve` runs).
+
+Offline on a 2-core CPU box: tiny real-architecture models built locally, fractional CPUs per replica.
+`app_builder` takes Serve builder arguments instead, e.g.
+`serve run examples.omni_app:app_builder diffusion.num_replicas=2 diffusion.batch_invariant=true`.
+"""
+
+from orchestration import AppConfig, app_builder, build_app
+
+app = build_app(AppConfig())
+
+__all__ = ["app", "app_builder"]

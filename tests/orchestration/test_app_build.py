@@ -1,0 +1,214 @@
+"""The app's configuration, construction and admission, without starting Ray.
+
+`build_app` only binds deployments; these tests read what it bound: the switches each stage receives,
+replica counts, resource requests, and what the ingress is told.
+"""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from contracts.http import ChatCompletionRequest, ImageGenerationRequest
+from contracts.invariance import SeedContractError
+from contracts.errors import InvalidRequestError
+from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
+from orchestration.app import DEPLOYMENT_NAMES, app_builder, build_app
+from orchestration.config import AppConfig, ServingSettings
+from orchestration.pipeline import admit_chat, admit_images
+
+ROOT = Path(__file__).resolve().parents[2]
+SWITCH_VARIABLES = ("VLLM_BATCH_INVARIANT", "OMNI_LLM_BATCH_INVARIANT", "OMNI_DIFFUSION_BATCH_INVARIANT")
+
+
+@pytest.fixture
+def clean_switches(monkeypatch):
+    for name in SWITCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def bound(app):
+    """(ingress deployment, llm deployment, diffusion deployment, settings) of a built app."""
+    ingress = app._bound_deployment
+    llm_app, diffusion_app, settings = ingress.init_args
+    return ingress, llm_app._bound_deployment, diffusion_app._bound_deployment, settings
+
+
+# --- build_app ----------------------------------------------------------------------------------------
+
+
+def test_example_app_imports_and_builds_on_embedded_defaults(clean_switches):
+    import examples.omni_app as example
+
+    ingress, llm, diffusion, settings = bound(example.app)
+    assert (ingress.name, llm.name, diffusion.name) == tuple(DEPLOYMENT_NAMES[k] for k in ("ingress", "llm", "diffusion"))
+    assert llm.init_args == (None,) and diffusion.init_args == (None,)  # None: the embedded models
+    assert callable(example.app_builder)
+
+
+def test_default_resource_requests_fit_a_two_cpu_box():
+    _, llm, diffusion, _ = bound(build_app())
+    ingress = build_app()._bound_deployment
+    total = sum(d.ray_actor_options["num_cpus"] * d.num_replicas for d in (ingress, llm, diffusion))
+    assert total <= 1.2, total
+    assert "num_gpus" not in llm.ray_actor_options and "num_gpus" not in diffusion.ray_actor_options
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, {"llm": False, "diffusion": False}),
+    ({"VLLM_BATCH_INVARIANT": "1"}, {"llm": True, "diffusion": True}),
+    ({"VLLM_BATCH_INVARIANT": "1", "OMNI_LLM_BATCH_INVARIANT": "0"}, {"llm": False, "diffusion": True}),
+    ({"OMNI_DIFFUSION_BATCH_INVARIANT": "on"}, {"llm": False, "diffusion": True}),
+])
+def test_null_switches_are_resolved_from_the_environment_once_at_build_and_passed_explicitly(clean_switches, environ, expected):
+    for name, value in environ.items():
+        clean_switches.setenv(name, value)
+    _, llm, diffusion, settings = bound(build_app())
+    for name, value in environ.items():
+        clean_switches.delenv(name)  # the replicas must not need the builder's environment
+    assert llm.init_kwargs["batch_invariant"] is expected["llm"]
+    assert diffusion.init_kwargs["batch_invariant"] is expected["diffusion"]
+    assert settings["batch_invariant"] == expected
+
+
+def test_config_switches_override_the_environment(clean_switches):
+    clean_switches.setenv("VLLM_BATCH_INVARIANT", "1")
+    _, llm, diffusion, settings = bound(build_app({"llm": {"batch_invariant": False}, "diffusion": {"batch_invariant": True}}))
+    assert (llm.init_kwargs["batch_invariant"], diffusion.init_kwargs["batch_invariant"]) == (False, True)
+    assert settings["batch_invariant"] == {"llm": False, "diffusion": True}
+
+
+def test_stage_settings_reach_each_stage_constructor():
+    config = {
+        "llm": {"model": "/models/llm", "device": "cuda", "dtype": "bfloat16", "torch_threads": 4,
+                "ray_actor_options": {"num_gpus": 1}, "engine_args": {"tensor_parallel_size": 1}},
+        "diffusion": {"model": "/models/sd", "max_batch_size": 4, "batch_wait_timeout_s": 0.2, "max_queued": 16,
+                      "defaults": {"num_inference_steps": 4}, "num_replicas": 3},
+    }
+    _, llm, diffusion, settings = bound(build_app(config))
+    assert llm.init_args == ("/models/llm",) and diffusion.init_args == ("/models/sd",)
+    assert llm.init_kwargs["device"] == "cuda" and llm.init_kwargs["dtype"] == "bfloat16"
+    assert llm.init_kwargs["tensor_parallel_size"] == 1 and llm.ray_actor_options["num_gpus"] == 1
+    kwargs = diffusion.init_kwargs
+    assert (kwargs["max_batch_size"], kwargs["batch_wait_timeout_s"], kwargs["max_queued"]) == (4, 0.2, 16)
+    assert kwargs["defaults"] == {"num_inference_steps": 4} and diffusion.num_replicas == 3
+    assert settings["configured_replicas"] == {"ingress": 1, "llm": 1, "diffusion": 3}
+    assert settings["model_aliases"]["diffusion"] == ["/models/sd", "diffusion"]
+
+
+def test_autoscaling_config_replaces_num_replicas():
+    app = build_app({"diffusion": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}})
+    _, _, diffusion, settings = bound(app)
+    assert diffusion._deployment_config.autoscaling_config.max_replicas == 3
+    with pytest.raises(ValidationError, match="not both"):
+        AppConfig.model_validate({"diffusion": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 3}}})
+
+
+@pytest.mark.parametrize("bad", [
+    {"diffusion": {"num_replicas": 0}},
+    {"llm": {"batch_invariant": "yes"}},
+    {"llm": {"device": "tpu"}},
+    {"llm": {"enhance": {"seed": 1}}},
+    {"llm": {"enhance": {"temperature": 9}}},
+    {"diffusion": {"colour": 1}},
+    {"stages": {}},
+])
+def test_config_refuses_bad_values(bad):
+    with pytest.raises(ValidationError):
+        AppConfig.model_validate(bad)
+
+
+def test_app_builder_accepts_dotted_command_line_arguments():
+    # `serve run examples.omni_app:app_builder diffusion.num_replicas=2 diffusion.batch_invariant=true`
+    config = AppConfig.from_args({"diffusion.num_replicas": "2", "diffusion.batch_invariant": "true", "llm.batch_invariant": "null"})
+    assert config.diffusion.num_replicas == 2 and config.diffusion.batch_invariant is True and config.llm.batch_invariant is None
+    _, llm, diffusion, _ = bound(app_builder({"diffusion.num_replicas": "2", "llm.num_replicas": "1"}))
+    assert (diffusion.num_replicas, llm.num_replicas) == (2, 1)
+
+
+def test_example_yaml_is_a_valid_serve_config_scaling_the_stages_independently():
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load((ROOT / "examples" / "omni_app.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(raw)
+    (application,) = schema.applications
+    config = AppConfig.from_args(application.args)
+    assert config.diffusion.num_replicas == 2 and config.llm.num_replicas == 1
+    # The import path is an installed module, so Serve's controller can import it on any node.
+    module, attr = application.import_path.split(":")
+    import importlib
+
+    builder = getattr(importlib.import_module(module), attr)
+    _, llm, diffusion, _ = bound(builder(application.args))
+    assert (llm.num_replicas, diffusion.num_replicas) == (1, 2)
+
+
+def test_make_serve_runs_the_example_app():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "serve run examples.omni_app:app" in makefile
+
+
+# --- admission: decided before any replica is called ----------------------------------------------
+
+
+def settings(llm=True, diffusion=True, **overrides) -> ServingSettings:
+    config = AppConfig.model_validate(overrides)
+    return ServingSettings.of(config, {"llm": llm, "diffusion": diffusion}, DEPLOYMENT_NAMES)
+
+
+def image_request(**fields) -> ImageGenerationRequest:
+    return ImageGenerationRequest.model_validate({"prompt": "a red fox", **fields})
+
+
+def test_admission_refuses_a_seedless_image_request_under_diffusion_invariance():
+    with pytest.raises(SeedContractError) as caught:
+        admit_images(image_request(), settings(diffusion=True))
+    assert caught.value.param == "seed"
+
+
+def test_admission_picks_and_reports_a_seed_without_diffusion_invariance():
+    plan = admit_images(image_request(n=3), settings(diffusion=False))
+    assert plan.seed_picked_by_server and 0 <= plan.seed <= MAX_SAFE_SEED
+    assert [p.seed for p in plan.diffusion_params] == seeds_for_request(plan.seed, 3)
+
+
+def test_admission_gives_every_image_its_own_seed_in_both_stages():
+    plan = admit_images(image_request(seed=42, n=4, num_inference_steps=4), settings())
+    expected = seeds_for_request(42, 4)
+    assert [p.seed for p in plan.diffusion_params] == expected
+    assert [p.seed for p in plan.llm_params] == expected
+    assert all(p.num_inference_steps == 4 for p in plan.diffusion_params)
+
+
+def test_admission_without_enhancement_plans_no_llm_call():
+    plan = admit_images(image_request(seed=1, enhance_prompt=False), settings())
+    assert not plan.enhance and plan.llm_params == []
+
+
+@pytest.mark.parametrize("field", ["generator_device", "latents", "sigmas"])
+def test_admission_refuses_seed_overrides_under_diffusion_invariance(field):
+    value = {"generator_device": "cpu", "latents": [[[0.0]]], "sigmas": [1.0, 0.5]}[field]
+    with pytest.raises(SeedContractError) as caught:
+        admit_images(image_request(seed=1, **{field: value}), settings(diffusion=True))
+    assert caught.value.param == field
+    admit_images(image_request(seed=1, **{field: value}), settings(diffusion=False))  # off: the stage decides
+
+
+def test_admission_applies_the_serving_limits():
+    with pytest.raises(InvalidRequestError) as caught:
+        admit_images(image_request(seed=1, num_inference_steps=51), settings())
+    assert caught.value.param == "num_inference_steps"
+    with pytest.raises(InvalidRequestError) as caught:
+        admit_images(image_request(seed=1, size="1024x1024"), settings())
+    assert caught.value.param == "size"
+
+
+def test_chat_admission_follows_the_llm_switch():
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(SeedContractError):
+        admit_chat(chat, settings(llm=True))
+    assert admit_chat(chat, settings(llm=False)).seed is not None  # picked, so it can be reported
+    greedy = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "temperature": 0})
+    assert admit_chat(greedy, settings(llm=True)).seed is None  # greedy draws no random numbers

@@ -1,0 +1,314 @@
+"""The whole app end to end: real Ray, Serve's HTTP proxy on a loopback port, vLLM, diffusers, tiny real models.
+
+Started the way the README shows (`serve.start` + `serve.run(build_app(config))`), once for the module:
+  "/"     both switches on, LLM 1 replica, diffusion 2 replicas (co-batching, reproduction, bad inputs,
+          the openai client, both replicas serving identical bytes)
+  "/off"  both switches off, the LLM scaled to zero (enhance_prompt=false only), a one-slot diffusion
+          queue (seedless requests served with their seed returned; 503 + Retry-After when full)
+Nothing is mocked. Small images (64x64), 4 steps, bounded timeouts everywhere.
+"""
+
+import asyncio
+import base64
+import hashlib
+import socket
+import time
+
+import httpx
+import pytest
+
+from contracts.invariance import MAX_SEED, MIN_SEED
+from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+STEPS = 4
+TIMEOUT_S = 180
+MAIN = {
+    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.3}, "torch_threads": 1},
+    "diffusion": {
+        "batch_invariant": True,
+        "num_replicas": 2,
+        "ray_actor_options": {"num_cpus": 0.3},
+        "max_batch_size": 4,
+        "batch_wait_timeout_s": 1.0,  # generous: concurrent requests must meet in one batch on a loaded box
+        "defaults": {"num_inference_steps": STEPS},
+    },
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+}
+OFF = {
+    "llm": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3},
+            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}},
+    "diffusion": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3}, "max_batch_size": 1,
+                  "max_queued": 1, "batch_wait_timeout_s": 0.0, "defaults": {"num_inference_steps": STEPS}},
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from orchestration import build_app
+
+    port = free_port()
+    # address="local": always a fresh Ray instance of our own, never someone else's cluster.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="omniserve-e2e")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        started = time.monotonic()
+        serve.run(build_app(OFF), name="off", route_prefix="/off")
+        serve.run(build_app(MAIN), name="main", route_prefix="/")
+        print(f"apps running after {time.monotonic() - started:.1f} s")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=TIMEOUT_S) as client:
+        yield client
+
+
+def generate(http, path="/v1/images/generations", **body) -> dict:
+    response = http.post(path, json={"size": "64x64", **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def concurrently(server, bodies, path="/v1/images/generations") -> list[httpx.Response]:
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT_S) as client:
+            return await asyncio.gather(*(client.post(path, json={"size": "64x64", **b}) for b in bodies))
+
+    return asyncio.run(run())
+
+
+def png(item: dict) -> bytes:
+    data = base64.b64decode(item["b64_json"])
+    assert data.startswith(b"\x89PNG") and hashlib.sha256(data).hexdigest() == item["sha256"]
+    return data
+
+
+# --- health, models, headers ---------------------------------------------------------------------
+
+
+def test_health_reports_switches_kernels_and_replica_counts(http):
+    response = http.get("/health")
+    assert response.status_code == 200, response.text
+    health = response.json()
+    assert health["status"] == "ok" and health["batch_invariant"] == {"llm": True, "diffusion": True}
+    for stage in ("llm", "diffusion"):
+        assert health["stages"][stage]["state"] == "running"
+        assert health["stages"][stage]["kernel_backend"] == "cpu"
+        assert health["stages"][stage]["kernels"]
+    assert health["stages"]["diffusion"]["replicas"]["configured"] == 2
+    assert health["stages"]["diffusion"]["replicas"]["running"] == 2
+    assert health["stages"]["llm"]["replicas"]["running"] == 1
+    assert response.headers["X-Omni-Batch-Invariant-LLM"] == "true"
+    assert response.headers["X-Omni-Batch-Invariant-Diffusion"] == "true"
+
+
+def test_models_lists_both_stages_in_openai_format(http):
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert {m["stage"]: m["id"] for m in models["data"]} == {"llm": "embedded:tiny-llama", "diffusion": "omniserve/tiny-sd-unet"}
+
+
+def test_switches_appear_in_every_response_body_and_header(http):
+    body = generate(http, prompt="a lighthouse", seed=5, enhance_prompt=False)
+    assert body["invariance"]["diffusion"] == {"batch_invariant": True, "kernel_backend": "cpu", "used": True}
+    assert body["invariance"]["llm"]["batch_invariant"] is True and body["invariance"]["llm"]["used"] is False
+    refused = http.post("/v1/images/generations", json={"prompt": "x"})
+    assert refused.headers["X-Omni-Batch-Invariant-Diffusion"] == "true"
+
+
+# --- reproducibility ------------------------------------------------------------------------------
+
+REQUESTS = [("a red fox in the snow", 42), ("a lighthouse at dusk", 7), ("two cats asleep", 99),
+            ("a bowl of ramen", 1234), ("a paper boat", 5), ("an old map", 77)]
+
+
+def test_cobatched_requests_each_return_their_solo_bytes_with_both_switches_on(server, http):
+    solo = [generate(http, prompt=p, seed=s)["data"][0] for p, s in REQUESTS]
+    assert all(item["batch_size"] == 1 for item in solo)
+    responses = concurrently(server, [{"prompt": p, "seed": s} for p, s in REQUESTS])
+    together = [r.json()["data"][0] for r in responses if r.status_code == 200]
+    assert len(together) == len(REQUESTS), [r.text for r in responses if r.status_code != 200]
+    assert max(item["batch_size"] for item in together) > 1, "concurrent requests were not co-batched"
+    for alone, batched in zip(solo, together):
+        assert png(batched) == png(alone)
+        assert batched["revised_prompt"] == alone["revised_prompt"] and batched["seed"] == alone["seed"]
+
+
+def test_image_i_of_an_n4_request_equals_the_n1_request_with_its_reported_seed(http):
+    batch = generate(http, prompt="a castle on a hill", seed=2024, n=4)["data"]
+    assert [item["seed"] for item in batch] == seeds_for_request(2024, 4)
+    assert len({item["sha256"] for item in batch}) == 4
+    for item in batch:
+        single = generate(http, prompt="a castle on a hill", seed=item["seed"], n=1)["data"][0]
+        assert png(single) == png(item)
+        assert single["revised_prompt"] == item["revised_prompt"]  # the LLM stage ran with s_i too
+
+
+@pytest.mark.parametrize("seed", [MIN_SEED, -1, MAX_SEED])
+def test_seeds_at_the_edges_of_the_range_are_served_through_both_stages(http, seed):
+    body = generate(http, prompt="a red fox", seed=seed, n=2)
+    assert body["data"][0]["seed"] == seed and 0 <= body["data"][1]["seed"] <= MAX_SAFE_SEED
+
+
+def test_embedded_default_serves_64_and_128_pixel_images(http):
+    assert generate(http, prompt="a red fox", seed=1, enhance_prompt=False)["size"] == "64x64"
+    big = generate(http, prompt="a red fox", seed=1, enhance_prompt=False, size="128x128")
+    assert big["size"] == "128x128"
+    from PIL import Image
+    import io
+
+    assert Image.open(io.BytesIO(png(big["data"][0]))).size == (128, 128)
+
+
+# --- the seed contract ----------------------------------------------------------------------------
+
+
+def test_seedless_request_is_refused_under_invariance_naming_seed(http):
+    response = http.post("/v1/images/generations", json={"prompt": "a red fox"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "seed" and "seed" in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_seedless_request_is_served_without_invariance_and_its_seed_reproduces_it(http):
+    first = generate(http, "/off/v1/images/generations", prompt="a red fox", enhance_prompt=False)
+    assert first["invariance"]["diffusion"]["batch_invariant"] is False
+    item = first["data"][0]
+    assert 0 <= item["seed"] <= MAX_SAFE_SEED
+    again = generate(http, "/off/v1/images/generations", prompt="a red fox", enhance_prompt=False, seed=item["seed"])
+    assert png(again["data"][0]) == png(item)
+
+
+def test_full_stage_queue_answers_503_with_retry_after(server):
+    responses = concurrently(server, [{"prompt": f"fox {i}", "seed": i, "enhance_prompt": False} for i in range(4)],
+                             path="/off/v1/images/generations")
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses[0] == 200 and 503 in statuses, statuses
+    full = next(r for r in responses if r.status_code == 503)
+    assert int(full.headers["Retry-After"]) >= 1 and full.json()["error"]["code"] == "queue_full"
+
+
+# --- every bad input of the API: a 4xx with a message, never a 5xx ---------------------------------
+
+BAD = [
+    ({"prompt": "x", "seed": True}, 400, "seed"),
+    ({"prompt": "x", "seed": 1.0}, 400, "seed"),
+    ({"prompt": "x", "seed": "1"}, 400, "seed"),
+    ({"prompt": "x", "seed": MAX_SEED + 1}, 400, "seed"),
+    ({"prompt": "x", "seed": MIN_SEED - 1}, 400, "seed"),
+    ({"prompt": "x", "seed": 1, "size": "64by64"}, 400, "size"),
+    ({"prompt": "x", "seed": 1, "size": "60x60"}, 400, "size"),
+    ({"prompt": "x", "seed": 1, "size": "4096x4096"}, 400, "size"),
+    ({"prompt": "x", "seed": 1, "n": 0}, 400, "n"),
+    ({"prompt": "x", "seed": 1, "n": 9}, 400, "n"),
+    ({"prompt": "x", "seed": 1, "num_inference_steps": 0}, 400, "num_inference_steps"),
+    ({"prompt": "x", "seed": 1, "num_inference_steps": 51}, 400, "num_inference_steps"),
+    ({"prompt": "x", "seed": 1, "num_inference_steps": "4"}, 400, "num_inference_steps"),
+    ({"prompt": "x", "seed": 1, "guidance_scale": 1000}, 400, "guidance_scale"),
+    ({"prompt": "", "seed": 1}, 400, "prompt"),
+    ({"prompt": "   ", "seed": 1}, 400, "prompt"),
+    ({"seed": 1}, 400, "prompt"),
+    ({"prompt": "x", "seed": 1, "unknown_field": 1}, 400, "unknown_field"),
+    ({"prompt": "x", "seed": 1, "response_format": "url"}, 400, "response_format"),
+    ({"prompt": "x", "seed": 1, "model": "dall-e-3"}, 404, "model"),
+    ({"prompt": "x", "seed": 1, "generator_device": "cpu"}, 400, "generator_device"),
+    ({"prompt": "x", "seed": 1, "latents": [[[0.0]]]}, 400, "latents"),
+    ({"prompt": "x", "seed": 1, "sigmas": [1.0, 0.5, 0.2, 0.0]}, 400, "sigmas"),
+    ({"prompt": "x", "seed": 1, "enhance_prompt": "yes"}, 400, "enhance_prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=lambda v: str(v)[:48])
+def test_each_bad_image_input_gets_its_4xx_with_a_message(http, body, status, param):
+    response = http.post("/v1/images/generations", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"{'prompt': 'x'}", b"[]", b"\xff\xfe", b'{"prompt": "x", "seed": 1,}'])
+def test_malformed_json_is_400(http, raw):
+    response = http.post("/v1/images/generations", content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"]
+
+
+def test_unknown_route_and_wrong_method_are_4xx_in_the_openai_shape(http):
+    assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"
+    assert http.get("/v1/images/generations").status_code == 405
+
+
+def test_prompt_too_long_for_the_llm_context_is_400_not_500(http):
+    response = http.post("/v1/images/generations", json={"prompt": "ü " * 1999, "seed": 1})
+    assert response.status_code == 400, response.text
+
+
+# --- chat ---------------------------------------------------------------------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "a fox"}], "max_tokens": 8}
+
+
+def test_chat_completion_is_reproducible_with_its_seed(http):
+    first = http.post("/v1/chat/completions", json={**CHAT, "seed": 11}).json()
+    again = http.post("/v1/chat/completions", json={**CHAT, "seed": 11}).json()
+    assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+    assert first["token_ids"] == again["token_ids"] and first["seed"] == 11
+    assert first["usage"]["completion_tokens"] == len(first["token_ids"]) <= 8
+
+
+def test_chat_without_seed_is_refused_under_llm_invariance(http):
+    response = http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "seed"
+
+
+# --- the official openai client, unchanged ---------------------------------------------------------
+
+
+def test_openai_client_generates_images_and_chats_unchanged(server, http):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
+    result = client.images.generate(
+        prompt="a red fox in the snow", model="omniserve/tiny-sd-unet", n=2, size="64x64", response_format="b64_json",
+        extra_body={"seed": 42, "num_inference_steps": STEPS},
+    )
+    assert [d.model_extra["seed"] for d in result.data] == seeds_for_request(42, 2)
+    direct = generate(http, prompt="a red fox in the snow", seed=42, n=2)["data"]
+    assert [base64.b64decode(d.b64_json) for d in result.data] == [png(d) for d in direct]
+    assert [d.revised_prompt for d in result.data] == [d["revised_prompt"] for d in direct]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(prompt="a red fox", size="64x64")
+    assert refused.value.status_code == 400 and "seed" in str(refused.value)
+    chat = client.chat.completions.create(model="embedded:tiny-llama", messages=CHAT["messages"], max_tokens=8, seed=3)
+    assert chat.choices[0].message.role == "assistant" and chat.model_extra["seed"] == 3
+
+
+# --- two diffusion replicas -----------------------------------------------------------------------
+
+
+def test_both_diffusion_replicas_serve_and_identical_requests_get_identical_bytes(server):
+    body = {"prompt": "a lighthouse at dusk", "seed": 31337, "enhance_prompt": False}
+    served: dict[str, set[str]] = {}
+    for _ in range(4):  # routing is by queue length: concurrent identical requests spread over both
+        for response in concurrently(server, [body] * 8):
+            assert response.status_code == 200, response.text
+            item = response.json()["data"][0]
+            served.setdefault(item["replica"], set()).add(item["sha256"])
+        if len(served) == 2:
+            break
+    assert len(served) == 2, f"only {sorted(served)} served"
+    assert len(set.union(*served.values())) == 1, served
