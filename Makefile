@@ -26,8 +26,10 @@ endif
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
+# Both stages batch-invariant unless the caller set their switches (OMNI_*_BATCH_INVARIANT=0 turns one off).
 serve: setup
-	$(BIN)/serve run examples.omni_app:app
+	OMNI_LLM_BATCH_INVARIANT=$${OMNI_LLM_BATCH_INVARIANT-1} OMNI_DIFFUSION_BATCH_INVARIANT=$${OMNI_DIFFUSION_BATCH_INVARIANT-1} \
+		$(BIN)/serve run examples.omni_app:app
 
 test: setup
 	$(BIN)/python -m pytest
