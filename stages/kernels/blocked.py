@@ -22,6 +22,7 @@ stock kernel through an overload this module never overrides (`mm.out` for `mm`,
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -32,7 +33,7 @@ import torch
 GEMM_MACS = 1 << 18
 CONV_MACS = 1 << 21
 # Per-sample size up to which group_norm takes the stock channels-first kernel (copying if need be).
-SMALL_NORM_ELEMENTS = 1 << 16
+SMALL_NORM_ELEMENTS = 1 << 12
 _FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -76,10 +77,12 @@ def _canonical(x: torch.Tensor, block: int, fmt=torch.contiguous_format, *, line
     stride = -(-item // line) * line if lines else item
     if total == n and stride == item and x.is_contiguous(memory_format=fmt) and _aligned(x):
         return x
-    if stride == item:
-        padded = torch.empty((total, *x.shape[1:]), dtype=x.dtype, device=x.device, memory_format=fmt)
-    else:
-        padded = torch.empty((total, stride), dtype=x.dtype, device=x.device).narrow(1, 0, item).unflatten(1, x.shape[1:])
+    if fmt == torch.contiguous_format:
+        # One op: zero rows below, zero columns right of each item (the item-stride padding).
+        flat = x.reshape(n, item)
+        padded = torch.constant_pad_nd(flat, (0, stride - item, 0, total - n))
+        return padded.narrow(1, 0, item).unflatten(1, x.shape[1:]) if stride != item else padded.view(total, *x.shape[1:])
+    padded = torch.empty((total, *x.shape[1:]), dtype=x.dtype, device=x.device, memory_format=fmt)
     padded[:n].copy_(x)
     if total > n:
         padded[n:].zero_()
@@ -100,6 +103,7 @@ def _per_row(t: torch.Tensor, n: int) -> bool:
 # --- matrix products -----------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)
 def _gemm_rows(k: int, n: int) -> int:
     # Small blocks for wide layers (a decode step's few rows pad to little), larger for narrow ones.
     return block_size(k * n, GEMM_MACS, minimum=16, maximum=256)
@@ -226,14 +230,17 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=Tr
     rows = x.movedim(1, -1).contiguous().view(n, -1, channels).to(compute)
     count = rows.shape[1] * per_group
 
-    def group_sum(t):  # (sample, position, channel) -> (sample, group, 1)
-        return t.sum(dim=1).view(n, num_groups, per_group).sum(dim=2, keepdim=True)
+    def group_sum(t):  # (sample, channel) -> (sample, group, 1)
+        return t.view(n, num_groups, per_group).sum(dim=2, keepdim=True)
 
     def per_channel(t):  # (sample, group, 1) -> (sample, channel)
-        return t.expand(n, num_groups, per_group).reshape(n, channels)
+        return t.expand(n, num_groups, per_group).reshape(n, channels).to(compute)
 
-    mean = group_sum(rows) / count
-    var = group_sum((rows - per_channel(mean)[:, None, :]).square_()) / count
+    # Exact two passes: the group's mean, then the sum of squared deviations from it (a 2-norm over
+    # positions per channel, squared), both summed over the group's channels.
+    mean = group_sum(rows.sum(dim=1)) / count
+    deviations = torch.linalg.vector_norm(rows - per_channel(mean)[:, None, :], dim=1).square()
+    var = group_sum(deviations) / count
     scale = per_channel(torch.rsqrt(var + eps))
     if weight is not None:
         scale = scale * weight.to(compute)
