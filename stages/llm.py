@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from contracts import LLMSamplingParams, resolve_batch_invariant, validate_seed_contract
+from contracts.errors import InvalidRequestError
 
 EMBEDDED = "embedded"
 DEFAULT_SYSTEM_PROMPT = (
@@ -43,16 +44,15 @@ _GRAMMAR_SLACK = 2
 _SPAWN_LOCK = threading.Lock()
 
 
-class LLMRequestError(ValueError):
-    """Client input the stage refuses; `param` names the offending field when there is one."""
+class LLMRequestError(InvalidRequestError):
+    """Client input the stage refuses (a 400); `param` names the offending field when there is one."""
 
     def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
     def __reduce__(self):
         # Survives pickling across the Ray boundary with its field intact.
-        return (type(self), (str(self), self.param))
+        return (type(self), (self.message, self.param))
 
 
 # --- 1. the model ----------------------------------------------------------------------
