@@ -1,7 +1,7 @@
 """Batch-invariant kernels, installed process-wide and removed exactly.
 
-- CPU: the project's own fixed-shape-blocked ops (`stages.kernels.blocked.CPU_OPS`),
-  registered through `torch.library` on the CPU dispatch key.
+- CPU: the project's own fixed-shape-blocked ops (`blocked.cpp`, `native.CPU_OPS`),
+  registered as aten kernels on the CPU dispatch key (`torch::Library`, see native.py).
 - CUDA: vLLM's `init_batch_invariance()` (with `VLLM_BATCH_INVARIANT=1`), plus the
   project's cover for what vLLM leaves out (`CUDA_COVER_OPS`: convolution, group_norm).
 - Anything else (ROCm, XPU, MPS): nothing is installed, and the report says why.
@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .blocked import CPU_OPS, CUDA_COVER_OPS
+from . import native
+from .native import CPU_OPS, CUDA_COVER_OPS, KernelBuildError
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class KernelReport:
 
 
 _lock = threading.Lock()
-_library: torch.library.Library | None = None
+_dispatch_key: str | None = None  # where our kernels are registered now ("CPU", "CUDA")
 _report: KernelReport | None = None
 _vllm_env_before: str | None = None
 
@@ -50,46 +50,49 @@ def _device_type(device) -> str:
     return torch.device(device).type
 
 
-def _register(ops: dict, key: str) -> tuple[torch.library.Library, list[str]]:
-    library = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        # Replacing the stock kernel is the point; torch warns about exactly that.
-        warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-        for name, fn in ops.items():
-            library.impl(name, fn, key)
-    return library, [f"aten::{name}" for name in ops]
+def _enable_cpu() -> KernelReport:
+    global _dispatch_key
+    try:
+        ops = native.install("CPU", CPU_OPS)
+    except KernelBuildError as err:  # e.g. no C++ compiler: say so, claim nothing
+        return KernelReport(False, "none", [], f"the CPU kernels could not be built or installed: {err}")
+    _dispatch_key = "CPU"
+    return KernelReport(True, "cpu", ops, "the project's fixed-shape-blocked CPU kernels")
 
 
-def _enable_cuda() -> tuple[torch.library.Library | None, list[str], str]:
-    global _vllm_env_before
+def _enable_cuda() -> KernelReport:
+    global _vllm_env_before, _dispatch_key
     if torch.version.hip is not None:
-        return None, [], "ROCm: no batch-invariant kernels are verified here; nothing installed"
+        return KernelReport(False, "none", [], "ROCm: no batch-invariant kernels are verified here; nothing installed")
     try:
         from vllm.model_executor.determinism import batch_invariant as vllm_bi
     except ImportError as err:  # no vLLM with CUDA kernels in this environment
-        return None, [], f"vLLM's batch-invariant kernels are unavailable: {err}"
+        return KernelReport(False, "none", [], f"vLLM's batch-invariant kernels are unavailable: {err}")
+    try:
+        native.build()  # before touching vLLM's state: a failed build must leave nothing half-installed
+    except KernelBuildError as err:
+        return KernelReport(False, "none", [], f"the convolution/group_norm cover could not be built: {err}")
     # vLLM's own code paths read this variable; keep it for restore.
     _vllm_env_before = os.environ.get("VLLM_BATCH_INVARIANT")
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     vllm_bi.init_batch_invariance()
-    library, ops = _register(CUDA_COVER_OPS, "CUDA")
-    return library, ["vllm:init_batch_invariance", *ops], "vLLM's CUDA kernels plus the project's conv/group_norm cover"
+    ops = native.install("CUDA", CUDA_COVER_OPS)
+    _dispatch_key = "CUDA"
+    return KernelReport(True, "vllm-cuda", ["vllm:init_batch_invariance", *ops],
+                        "vLLM's CUDA kernels plus the project's conv/group_norm cover")
 
 
 def enable_batch_invariant_kernels(device=None) -> KernelReport:
     """Install batch-invariant kernels for `device` (default: CUDA if present, else CPU)."""
-    global _library, _report
+    global _report
     with _lock:
         if _report is not None and _report.installed:
             return _report
         kind = _device_type(device)
         if kind == "cpu":
-            _library, ops = _register(CPU_OPS, "CPU")
-            _report = KernelReport(True, "cpu", ops, "the project's fixed-shape-blocked CPU kernels")
+            _report = _enable_cpu()
         elif kind == "cuda":
-            _library, ops, reason = _enable_cuda()
-            installed = _library is not None
-            _report = KernelReport(installed, "vllm-cuda" if installed else "none", ops, reason)
+            _report = _enable_cuda()
         else:
             _report = KernelReport(False, "none", [], f"no batch-invariant kernels for device type {kind!r}")
         return _report
@@ -97,10 +100,10 @@ def enable_batch_invariant_kernels(device=None) -> KernelReport:
 
 def disable_batch_invariant_kernels() -> None:
     """Remove every override this module installed; stock kernels answer again."""
-    global _library, _report, _vllm_env_before
+    global _dispatch_key, _report, _vllm_env_before
     with _lock:
-        if _library is not None:
-            _library._destroy()
+        if _dispatch_key is not None:
+            native.uninstall(_dispatch_key)
         if _report is not None and _report.backend == "vllm-cuda":
             from vllm.model_executor.determinism import batch_invariant as vllm_bi
 
@@ -112,7 +115,7 @@ def disable_batch_invariant_kernels() -> None:
                 os.environ.pop("VLLM_BATCH_INVARIANT", None)
             else:
                 os.environ["VLLM_BATCH_INVARIANT"] = _vllm_env_before
-        _library = None
+        _dispatch_key = None
         _report = None
         _vllm_env_before = None
 

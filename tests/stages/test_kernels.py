@@ -296,3 +296,44 @@ def test_kernels_integer_and_empty_inputs_fall_back_to_stock():
     with batch_invariant_kernels():
         assert torch.equal(torch.mm(a, b), a.double().mm(b.double()).long())
         assert torch.mm(torch.zeros(0, 3), torch.zeros(3, 4)).shape == (0, 4)
+
+
+# --- the C++ library: built once, cached, and honest when it cannot be built -------------------
+
+
+def _fresh_interpreter(code, **env):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_kernels_without_a_compiler_install_nothing_and_say_why(tmp_path):
+    # An empty cache and no working compiler: the report must not claim coverage, and stock kernels still answer.
+    out = _fresh_interpreter(
+        "from stages.kernels import enable_batch_invariant_kernels as e; r = e('cpu');"
+        "print(r.installed, r.backend, r.ops, r.reason.replace(chr(10), ' '))",
+        OMNISERVE_CACHE=str(tmp_path), CXX="false",
+    )
+    assert out.startswith("False none []"), out
+    assert "could not be built" in out and "blocked.cpp" in out
+
+
+def test_kernels_library_is_cached_under_a_name_that_follows_its_source(tmp_path):
+    from stages.kernels import native
+
+    path = native.build()
+    assert path.exists() and path.parent.name == "kernels"
+    assert native.build() == path  # cached: a second call does not compile again
+    assert native.SOURCE.read_text() and path.name.startswith("blocked-")
+    # In a fresh cache the library is compiled there from source, then used.
+    out = _fresh_interpreter(
+        "from stages.kernels import enable_batch_invariant_kernels as e, native; r = e('cpu');"
+        "print(r.installed, native.library_path())",
+        OMNISERVE_CACHE=str(tmp_path),
+    )
+    installed, built = out.split()
+    assert installed == "True" and built.startswith(str(tmp_path)) and built.endswith(path.name)

@@ -1,0 +1,111 @@
+"""Build and load the C++ kernels (`blocked.cpp`), and install them on a dispatch key.
+
+The shared library is compiled on first use with the system's C++ compiler against the
+installed torch (about 10 s on 2 cores), cached under `cache_root()/kernels` with a name that
+hashes the source, the torch build and the command, and loaded with ctypes. It is a plain
+shared library, not a Python extension: it only registers aten kernels, through the
+`torch::Library` objects it owns, so removing them restores the stock kernels exactly.
+`make` builds it during set-up, so servers and tests
+find it ready; concurrent first builds (several replicas) each write their own temporary
+file and rename it into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("blocked.cpp")
+#: Every op blocked.cpp can replace, and the subset vLLM's CUDA mode leaves out.
+CPU_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "group_norm")
+CUDA_COVER_OPS = ("convolution", "group_norm")
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded here (no compiler, no torch headers, ...)."""
+
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+
+
+def _command(source: Path, output: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    (torch_lib,) = library_paths()
+    return [
+        os.environ.get("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{path}" for path in include_paths()),
+        str(source), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-o", str(output),
+    ]
+
+
+def library_path() -> Path:
+    """Where the library for this source, torch build and compiler command lives."""
+    from stages.embedded import cache_root
+
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(" ".join(_command(Path("SRC"), Path("OUT"))).encode())
+    return cache_root() / "kernels" / f"blocked-{digest.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """The compiled library, compiling it if it is not cached yet."""
+    path = library_path()
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    command = _command(SOURCE, partial)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise KernelBuildError(f"cannot compile {SOURCE.name}: {err}") from err
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        tail = (done.stderr or done.stdout).strip()[-2000:]
+        raise KernelBuildError(f"compiling {SOURCE.name} failed ({shlex.join(command[:1])} exit {done.returncode}):\n{tail}")
+    os.replace(partial, path)
+    return path
+
+
+def _loaded() -> ctypes.CDLL:
+    global _library
+    with _lock:
+        if _library is None:
+            path = build()
+            try:
+                library = ctypes.CDLL(str(path))
+            except OSError as err:
+                raise KernelBuildError(f"cannot load {path}: {err}") from err
+            library.omniserve_kernels_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+            library.omniserve_kernels_install.restype = ctypes.c_int
+            library.omniserve_kernels_uninstall.argtypes = [ctypes.c_char_p]
+            library.omniserve_kernels_error.restype = ctypes.c_char_p
+            _library = library
+        return _library
+
+
+def install(dispatch_key: str, ops: tuple[str, ...]) -> list[str]:
+    """Register the blocked kernels for `ops` on `dispatch_key` ("CPU" or "CUDA"); the aten names installed."""
+    library = _loaded()
+    if library.omniserve_kernels_install(dispatch_key.encode(), ",".join(ops).encode()) != 0:
+        raise KernelBuildError(f"registering the kernels failed: {library.omniserve_kernels_error().decode()}")
+    return [f"aten::{name}" for name in ops]
+
+
+def uninstall(dispatch_key: str) -> None:
+    """Remove what `install` registered on `dispatch_key`; the stock kernels answer again."""
+    if _library is not None:
+        _library.omniserve_kernels_uninstall(dispatch_key.encode())
+
