@@ -37,13 +37,14 @@ _library: ctypes.CDLL | None = None
 
 
 def _command(source: Path, output: Path) -> list[str]:
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    (torch_lib,) = library_paths()
+    # torch's own layout (what torch.utils.cpp_extension uses, without importing it: it imports
+    # setuptools, which patches distutils in every server process that enables the kernels).
+    root = Path(torch.__file__).parent
+    includes, torch_lib = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include"), root / "lib"
     return [
         os.environ.get("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{path}" for path in include_paths()),
+        *(f"-I{path}" for path in includes),
         str(source), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-o", str(output),
     ]
 
