@@ -154,9 +154,11 @@ CASES = {
     "group_norm_channels_last": group_norm_case,
     "group_norm_contiguous": lambda dtype: group_norm_case(dtype, channels=32, groups=4, size=8, channels_last=False),
     "bmm": bmm_case,
+    # ATen's batched GEMM takes another path for one one-column matrix than for several.
+    "linear_one_column": lambda dtype: linear_case(dtype, k=8, n=1, rows=33),
 }
 # Stock kernels vary on this machine kind for these (measured); each is a control for its case.
-STOCK_VARIES = {("linear", torch.float32), ("conv_in3", torch.float32), ("conv_in4", torch.float32),
+STOCK_VARIES = {("linear", torch.float32), ("linear_one_column", torch.float32), ("conv_in3", torch.float32), ("conv_in4", torch.float32),
                 ("conv_wide", torch.float32), ("group_norm_channels_last", torch.float32),
                 ("group_norm_channels_last", torch.bfloat16)}
 
@@ -173,6 +175,23 @@ def test_kernels_on_every_position_and_batch_size_gives_the_solo_bits(case, dtyp
 def test_kernels_off_control_varies_for_the_same_check(case, dtype):
     fn, make = CASES[case](dtype)
     assert _varies(fn, make, sizes=(1, 2, 3, 4, 5, 6, 7, 8))
+
+
+def _bmm_positions_vary(m, k, n):
+    """Whether any matrix of contiguous batches of 1-8 matrices differs from the same product alone."""
+    gen = torch.Generator().manual_seed(11)
+    a, b = torch.randn(8, m, k, generator=gen), torch.randn(8, k, n, generator=gen)
+    alone = [torch.bmm(a[i : i + 1].clone(), b[i : i + 1].clone()) for i in range(8)]
+    return any(not torch.equal(torch.bmm(a[:count], b[:count])[i : i + 1], alone[i]) for count in range(2, 9) for i in range(count))
+
+
+# Few rows: MKL threads a lone matrix itself but a batch across matrices, and a matrix's result
+# follows its output's alignment, which in a contiguous batch follows its position.
+@pytest.mark.parametrize("m,k,n", [(3, 1408, 250), (15, 262, 7)])
+def test_kernels_bmm_matrix_gives_the_same_bits_alone_and_at_every_position(m, k, n):
+    assert _bmm_positions_vary(m, k, n)  # the control: stock kernels vary here
+    with batch_invariant_kernels():
+        assert not _bmm_positions_vary(m, k, n)
 
 
 @settings(max_examples=40, deadline=None)
