@@ -1,13 +1,19 @@
-"""Pure data and rules that cross every actor boundary. Never imports torch."""
+"""Pure data and rules that cross every actor boundary. Never imports torch.
 
-from .invariance import (
-    MAX_SEED,
-    MIN_SEED,
-    SeedContractError,
-    resolve_batch_invariant,
-    validate_seed_contract,
-)
+    seeds       the seed range, the server's pick, each image's own seed
+    sampling    sampling params (diffusion, LLM) and every bound on their fields
+    invariance  the tri-state switch and the seed contract
+    admission   the checks every request passes (at the ingress and again in each stage)
+    config      one typed config per deployment
+    results     what the stages hand back
+    http        the HTTP API's request and response schemas
+    errors      typed errors, and the one pydantic-error-to-field mapping
+    envs        every environment variable the project reads
+"""
+
+from .invariance import SeedContractError, resolve_batch_invariant, validate_seed_contract
 from .sampling import DiffusionSamplingParams, LLMSamplingParams
+from .seeds import MAX_SEED, MIN_SEED
 
 __all__ = [
     "MAX_SEED",

@@ -1,10 +1,15 @@
-"""Typed errors that cross actor boundaries; the ingress maps each to one HTTP status.
+"""Typed errors that cross actor boundaries, and the one mapping from a pydantic error to a client's field.
 
-Ray re-raises an actor's exception in the caller as a subclass of the original type,
-so `except InvalidRequestError` works across a DeploymentHandle call.
+The ingress maps each error type to one HTTP status (`orchestration/errors.py`). Ray re-raises an actor's
+exception in the caller as a subclass of the original type, so `except InvalidRequestError` works across a
+DeploymentHandle call.
 """
 
 from __future__ import annotations
+
+import re
+
+from pydantic import ValidationError
 
 
 class OmniError(Exception):
@@ -35,6 +40,12 @@ class InvalidRequestError(OmniError, ValueError):
     error_type = "invalid_request_error"
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """A request names a model this server does not serve (404, as OpenAI answers)."""
+
+    status_code = 404
+
+
 class QueueFullError(OmniError):
     """A bounded queue is full; the client should retry later (503 with Retry-After)."""
 
@@ -51,3 +62,44 @@ class QueueFullError(OmniError):
 
 def _rebuild_queue_full(message, param, code, retry_after_s):
     return QueueFullError(message, param=param, code=code, retry_after_s=retry_after_s)
+
+
+# --- pydantic errors, worded for an API client ------------------------------------------------------
+
+# Union members add their type to the location ("seed.int"); the client's field is what matters.
+_UNION_TAG = re.compile(r"^(int|str|float|bool|bytes|none|constrained-\w+|(list|dict|function-\w+|json-or-python)\[.*\])$")
+# Our own validators word their message for the client already.
+_WORDED = {"unsupported_field", "unsupported_value", "invalid_value", "invalid_size", "empty_prompt"}
+
+
+def describe_validation_error(errors: list[dict], *, root: tuple[str, ...] = ()) -> tuple[str, str | None, str]:
+    """(message, param, code) for the first problem of a pydantic error list; `root` is a location prefix to drop."""
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    if tuple(loc[: len(root)]) == root:
+        loc = loc[len(root):]
+    loc = [part for part in loc if not _UNION_TAG.match(part)]
+    param = ".".join(loc) or None
+    kind, message = first["type"], first["msg"]
+    if kind == "extra_forbidden":
+        message = f"unknown field {param!r}"
+    elif kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error") or message.removeprefix("Invalid JSON: ")
+        message, param = f"the body is not valid JSON: {detail}", None
+    elif kind in ("model_type", "model_attributes_type", "dict_type") and not loc:
+        message, kind = "the body must be a JSON object", "model_type"
+    elif kind == "missing" and not loc:  # FastAPI's word for an empty body
+        message, kind = "the body is not valid JSON: it is empty", "json_invalid"
+    elif kind == "missing":
+        message = f"{param} is required"
+    elif param and kind not in _WORDED:
+        message = f"{param}: {message}"
+    if kind == "unsupported_field" and first.get("ctx"):
+        param = first["ctx"]["name"]
+    return message, param, kind
+
+
+def invalid_request(err: ValidationError) -> InvalidRequestError:
+    """The InvalidRequestError naming the field of a pydantic ValidationError."""
+    message, param, code = describe_validation_error(err.errors(include_url=False))
+    return InvalidRequestError(message, param=param, code=code)

@@ -2,54 +2,60 @@
 
 Requests are strict (no coercion: `true`, `1.0` and `"1"` are not seeds) and refuse unknown fields, so
 every client mistake is a 400 that names the field. OpenAI fields this server cannot honour are refused
-by name with the reason, never silently ignored. Parse a request body with `parse_body(Model, raw)`.
+by name with the reason, never silently ignored. The ingress hands these models to FastAPI as typed
+bodies, so `/openapi.json` documents them; every bound comes from `contracts.sampling`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictStr,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from .errors import InvalidRequestError
-from .sampling import DiffusionSamplingParams, LLMSamplingParams, NestedFloats, Seed
+from .errors import InvalidRequestError, invalid_request
+from .results import Usage
+from .sampling import (
+    MAX_SIDE,
+    MIN_SIDE,
+    SIDE_MULTIPLE,
+    DiffusionSamplingParams,
+    GuidanceScale,
+    LLMSamplingParams,
+    Logprobs,
+    MaxTokens,
+    Messages,
+    MinP,
+    MinTokens,
+    NestedFloats,
+    Penalty,
+    Prompt,
+    PromptText,
+    RepetitionPenalty,
+    Sigmas,
+    Steps,
+    StopList,
+    Temperature,
+    TopK,
+    TopP,
+)
+from .seeds import Seed
 
 MAX_IMAGES = 8
-MAX_PROMPT_CHARS = 4000
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 
 
-class ModelNotFoundError(InvalidRequestError):
-    """A request names a model this server does not serve (404, as OpenAI answers)."""
-
-    status_code = 404
-
-
-Prompt = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-
-
 def parse_size(size: str) -> tuple[int, int]:
-    """"WxH" -> (width, height); each side a multiple of 8 in [8, 4096], as DiffusionSamplingParams needs."""
+    """"WxH" -> (width, height); each side as DiffusionSamplingParams takes it."""
     match = _SIZE.fullmatch(size)
     if not match:
         raise ValueError(f"size must look like '<width>x<height>', e.g. '64x64', got {size!r}")
     width, height = int(match.group(1)), int(match.group(2))
     for side in (width, height):
-        if not 8 <= side <= 4096 or side % 8:
-            raise ValueError(f"size {size!r}: width and height must be multiples of 8 in [8, 4096]")
+        if not MIN_SIDE <= side <= MAX_SIDE or side % SIDE_MULTIPLE:
+            raise ValueError(f"size {size!r}: width and height must be multiples of {SIDE_MULTIPLE} in [{MIN_SIDE}, {MAX_SIDE}]")
     return width, height
 
 
@@ -58,6 +64,15 @@ class _Request(BaseModel):
 
     #: OpenAI fields this server cannot honour -> why: refused by name unless null.
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
+    #: What a request asking to stream is told (streaming is not served yet).
+    WHOLE: ClassVar[str] = "results"
+
+    @field_validator("stream", check_fields=False)
+    @classmethod
+    def _no_stream(cls, value: bool | None) -> bool | None:
+        if value:
+            raise PydanticCustomError("unsupported_value", "stream is not supported: {what} are returned whole", {"what": cls.WHOLE})
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -70,6 +85,10 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
 
+def _present(**fields: Any) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 class ImageGenerationRequest(_Request):
     """`POST /v1/images/generations`: OpenAI's fields, then this server's extensions."""
 
@@ -77,6 +96,7 @@ class ImageGenerationRequest(_Request):
         name: "this server's images are PNGs rendered by the configured diffusion model"
         for name in ("quality", "style", "background", "moderation", "output_compression", "partial_images")
     }
+    WHOLE = "images"
 
     prompt: Prompt
     model: StrictStr | None = None
@@ -88,21 +108,14 @@ class ImageGenerationRequest(_Request):
     user: StrictStr | None = None  # OpenAI's end-user tag: accepted, not used
     # Extensions (pass them through the openai client's `extra_body`).
     seed: Seed | None = None
-    num_inference_steps: Annotated[int, Field(ge=1, le=500)] | None = None
-    guidance_scale: Annotated[Finite, Field(ge=0.0, le=100.0)] | None = None
-    negative_prompt: Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)] | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: GuidanceScale | None = None
+    negative_prompt: PromptText | None = None
     enhance_prompt: StrictBool = True
     # Refused under diffusion invariance by the seed contract; passed to the stage otherwise.
     generator_device: StrictStr | None = None
     latents: NestedFloats | None = None
-    sigmas: Annotated[list[Finite], Field(min_length=1)] | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_blank(cls, prompt: str) -> str:
-        if not prompt.strip():
-            raise PydanticCustomError("empty_prompt", "prompt must not be empty")
-        return prompt
+    sigmas: Sigmas | None = None
 
     @field_validator("size")
     @classmethod
@@ -132,45 +145,18 @@ class ImageGenerationRequest(_Request):
             raise PydanticCustomError("unsupported_value", "output_format must be 'png': this server encodes PNG")
         return value
 
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, value: bool | None) -> bool | None:
-        if value:
-            raise PydanticCustomError("unsupported_value", "stream is not supported: images are returned whole")
-        return value
-
     @property
     def count(self) -> int:
         return self.n or 1
 
-    @property
-    def dimensions(self) -> tuple[int, int] | None:
-        """(width, height) if the request gave a size."""
-        return parse_size(self.size) if self.size else None
-
     def diffusion_params(self, seed: int | None) -> DiffusionSamplingParams:
         """The sampling params of one image; `None` fields are the stage's configured defaults."""
-        width, height = self.dimensions or (None, None)
-        fields = {
-            "seed": seed,
-            "num_inference_steps": self.num_inference_steps,
-            "guidance_scale": self.guidance_scale,
-            "height": height,
-            "width": width,
-            "negative_prompt": self.negative_prompt,
-            "generator_device": self.generator_device,
-            "latents": self.latents,
-            "sigmas": self.sigmas,
-        }
-        return DiffusionSamplingParams.model_validate({k: v for k, v in fields.items() if v is not None})
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr
-    name: StrictStr | None = None
+        width, height = parse_size(self.size) if self.size else (None, None)
+        return DiffusionSamplingParams.model_validate(_present(
+            seed=seed, num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+            height=height, width=width, negative_prompt=self.negative_prompt,
+            generator_device=self.generator_device, latents=self.latents, sigmas=self.sigmas,
+        ))
 
 
 class ChatCompletionRequest(_Request):
@@ -185,34 +171,28 @@ class ChatCompletionRequest(_Request):
         "logit_bias": "this server does not bias logits",
         "stream_options": "this server does not stream",
     }
+    WHOLE = "completions"
 
     model: StrictStr | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    temperature: Annotated[Finite, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=8192)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=8192)] | None = None
+    messages: Messages
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     seed: Seed | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
+    stop: StrictStr | StopList | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None
     stream: StrictBool | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    presence_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
+    top_logprobs: Logprobs | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     user: StrictStr | None = None  # accepted, not used
     # Extensions (vLLM's names).
-    top_k: Annotated[int, Field(ge=1)] | None = None
-    min_p: Annotated[Finite, Field(ge=0.0, le=1.0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
-    repetition_penalty: Annotated[Finite, Field(gt=0.0, le=2.0)] | None = None
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, value: bool | None) -> bool | None:
-        if value:
-            raise PydanticCustomError("unsupported_value", "stream is not supported: completions are returned whole")
-        return value
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    min_tokens: MinTokens | None = None
+    repetition_penalty: RepetitionPenalty | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -223,25 +203,17 @@ class ChatCompletionRequest(_Request):
 
     def llm_params(self, seed: int | None) -> LLMSamplingParams:
         """The LLM stage's sampling params; unset fields keep LLMSamplingParams' defaults."""
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        fields = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "max_tokens": self.max_completion_tokens or self.max_tokens,
-            "min_tokens": self.min_tokens,
-            "stop": stop,
-            "seed": seed,
-            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
-        return LLMSamplingParams.model_validate({k: v for k, v in fields.items() if v is not None})
+        return LLMSamplingParams.model_validate(_present(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            max_tokens=self.max_completion_tokens or self.max_tokens, min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop, seed=seed,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+        ))
 
 
-# --- responses (documentation of the shape; built through these so it cannot drift) ----------------
+# --- responses (built through these models, so the documented shape cannot drift) --------------------
 
 
 class StageInvariance(BaseModel):
@@ -271,40 +243,82 @@ class ImagesResponse(BaseModel):
     invariance: dict[str, StageInvariance]
 
 
-# --- parsing and error description ------------------------------------------------------------------
+class TokenLogprob(BaseModel):
+    token: str  # vLLM's "token_id:<id>" form: the stage returns ids, not token text
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ContentLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ContentLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str
+    # Extensions: the seed that reproduces this completion, its token ids, the stage's invariance state.
+    seed: int | None
+    token_ids: list[int]
+    invariance: dict[str, StageInvariance]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omniserve"
+    stage: Literal["llm", "diffusion"]  # extension: which stage serves it
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, OpenAI's shape."""
+
+    error: ErrorDetail
+
 
 M = TypeVar("M", bound=BaseModel)
-_UNION_TAG = re.compile(r"^(int|str|float|bool|none|constrained-\w+|(list|dict|function-\w+|json-or-python)\[.*\])$")
-
-
-def describe_validation_error(err: ValidationError) -> tuple[str, str | None, str]:
-    """(message, param, code) for the first problem in `err`, worded for an API client."""
-    first = err.errors(include_url=False)[0]
-    loc = [str(part) for part in first.get("loc", ())]
-    # Union members add their type to the location ("seed.int"); the client's field is what matters.
-    loc = [part for part in loc if not _UNION_TAG.match(part)]
-    param = ".".join(loc) or None
-    kind, message = first["type"], first["msg"]
-    if kind == "extra_forbidden":
-        message = f"unknown field {param!r}"
-    elif kind == "json_invalid":
-        message = f"the body is not valid JSON: {message.removeprefix('Invalid JSON: ')}"
-        param = None
-    elif kind == "model_type" and not loc:
-        message = "the body must be a JSON object"
-    elif kind == "missing":
-        message = f"{param} is required"
-    elif param and kind not in {"unsupported_field", "unsupported_value", "invalid_value", "invalid_size", "empty_prompt"}:
-        message = f"{param}: {message}"
-    if kind == "unsupported_field":
-        param = first["ctx"]["name"] if first.get("ctx") else param
-    return message, param, kind
 
 
 def parse_body(model: type[M], raw: bytes | str) -> M:
-    """Validate a JSON body into `model`; any problem becomes an InvalidRequestError naming the field."""
+    """Validate a JSON body into `model` as the ingress does (decoded, then validated); errors name the field."""
     try:
-        return model.model_validate_json(raw)
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InvalidRequestError(f"the body is not valid JSON: {err}", code="json_invalid") from None
+    try:
+        return model.model_validate(data)
     except ValidationError as err:
-        message, param, code = describe_validation_error(err)
-        raise InvalidRequestError(message, param=param, code=code) from None
+        raise invalid_request(err) from None

@@ -6,15 +6,17 @@ Nothing here imports torch: these rules run at admission, before any replica
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-# The range torch.Generator.manual_seed accepts (it takes int64 and uint64 values).
-MIN_SEED = -(2**63)
-MAX_SEED = 2**64 - 1
+from . import envs
+from .errors import InvalidRequestError
+from .seeds import MAX_SEED, MIN_SEED, is_valid_seed, seed_range_message
+
+__all__ = ["MAX_SEED", "MIN_SEED", "STAGES", "SeedContractError", "resolve_batch_invariant", "validate_seed_contract"]
 
 Stage = Literal["llm", "diffusion"]
+STAGES: tuple[Stage, ...] = ("llm", "diffusion")
 
 #: vLLM's global switch; each stage follows it unless its own variable is set.
 GLOBAL_SWITCH = "VLLM_BATCH_INVARIANT"
@@ -24,35 +26,17 @@ STAGE_SWITCHES: dict[str, str] = {
     "diffusion": "OMNI_DIFFUSION_BATCH_INVARIANT",
 }
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
-
-class SeedContractError(ValueError):
-    """A request breaks the seed contract that batch invariance relies on."""
+class SeedContractError(InvalidRequestError):
+    """A request breaks the seed contract that batch invariance relies on (a 400 naming the first field)."""
 
     def __init__(self, violations: list[str], param: str | None = None):
         self.violations = list(violations)
-        # The first offending field, for error bodies that name one parameter.
-        self.param = param
-        super().__init__("batch invariance is on: " + "; ".join(self.violations))
+        super().__init__("batch invariance is on: " + "; ".join(self.violations), param=param, code="seed_contract")
 
     def __reduce__(self):
         # Crossing a Ray boundary pickles the error: rebuild it from its fields, not from args.
         return (type(self), (self.violations, self.param))
-
-
-def parse_switch(name: str, value: str) -> bool:
-    """Parse one switch value: 1/true/yes/on or 0/false/no/off (stripped, any case)."""
-    normalized = value.strip().lower()
-    if normalized in _TRUE:
-        return True
-    if normalized in _FALSE:
-        return False
-    raise ValueError(
-        f"{name}={value!r} is not a valid switch value; use one of "
-        "1/true/yes/on or 0/false/no/off"
-    )
 
 
 def resolve_batch_invariant(
@@ -71,16 +55,10 @@ def resolve_batch_invariant(
         if not isinstance(override, bool):
             raise TypeError(f"override must be True, False or None, not {override!r}")
         return override
-    env = os.environ if environ is None else environ
     for name in (STAGE_SWITCHES[stage], GLOBAL_SWITCH):
-        if name in env:
-            return parse_switch(name, env[name])
+        if envs.is_set(name, environ):
+            return envs.read(name, environ)
     return False
-
-
-def is_valid_seed(seed: Any) -> bool:
-    """A seed is a real int (never a bool) inside [MIN_SEED, MAX_SEED]."""
-    return isinstance(seed, int) and not isinstance(seed, bool) and MIN_SEED <= seed <= MAX_SEED
 
 
 def _field(params: Any, name: str) -> Any:
@@ -116,7 +94,7 @@ def validate_seed_contract(params: Any, *, batch_invariant: bool) -> None:
             violations.append("seed is required: pass an integer seed")
             first = "seed"
     elif not is_valid_seed(seed):
-        violations.append(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {seed!r}")
+        violations.append(seed_range_message(seed))
         first = "seed"
     for name, why in _SEED_OVERRIDES.items():
         if _field(params, name) is not None:

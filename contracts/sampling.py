@@ -4,22 +4,57 @@ A `torch.Generator` cannot travel (its state is consumed in place and does not s
 pickling to another process), so these models refuse one and ask for `seed` instead.
 Models are frozen, strict (no silent coercion: `True`, `1.0` and `"1"` are not seeds),
 forbid unknown fields, and round-trip exactly through JSON.
+
+Every bound on a sampling field is written once, as a type below; the HTTP schemas use the same types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
-from .invariance import MAX_SEED, MIN_SEED
+from .seeds import Seed
 
-Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
+# --- the bounds, once ------------------------------------------------------------------------------
 
+MAX_PROMPT_CHARS = 4000
+#: The contract's step range; a deployment serves at most its own `max_inference_steps` (DiffusionLimits).
+MAX_INFERENCE_STEPS = 500
+#: Image sides: multiples of 8 (the VAE's factor) in [8, 4096].
+MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 8, 4096, 8
+
+
+def _not_blank(prompt: str) -> str:
+    if not prompt.strip():
+        raise PydanticCustomError("empty_prompt", "prompt must not be empty")
+    return prompt
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+PromptText = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
+Prompt = Annotated[PromptText, AfterValidator(_not_blank)]
+Steps = Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)]
+GuidanceScale = Annotated[Finite, Field(ge=0.0, le=100.0)]
+Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
 # Nested lists of floats: the serializable form of a latents tensor.
 NestedFloats = TypeAliasType("NestedFloats", "list[Annotated[float, Field(allow_inf_nan=False)]] | list[NestedFloats]")
+Sigmas = Annotated[list[Finite], Field(min_length=1)]
+GeneratorDevice = Annotated[str, Field(pattern=r"^(cpu|cuda|xpu|mps)(:\d+)?$")]
+
+Temperature = Annotated[Finite, Field(ge=0.0, le=2.0)]
+TopP = Annotated[Finite, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=1)]
+MinP = Annotated[Finite, Field(ge=0.0, le=1.0)]
+MaxTokens = Annotated[int, Field(ge=1, le=8192)]
+MinTokens = Annotated[int, Field(ge=0)]
+StopList = Annotated[list[StrictStr], Field(max_length=16)]
+Logprobs = Annotated[int, Field(ge=0, le=20)]
+Penalty = Annotated[Finite, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[Finite, Field(gt=0.0, le=2.0)]
 
 _GENERATOR_HINT = (
     "a torch.Generator cannot cross an actor boundary (its state is consumed in place and "
@@ -34,7 +69,7 @@ def _is_generator(value: Any) -> bool:
 
 
 class Contract(BaseModel):
-    """Base for every type that crosses an actor boundary."""
+    """Base for every request type that crosses an actor boundary."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -72,36 +107,47 @@ class Contract(BaseModel):
         return cls.model_validate({**fields, **kwargs})
 
 
+class ChatMessage(Contract):
+    """One message of a chat: what the LLM stage is asked."""
+
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+    name: StrictStr | None = None
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
 class DiffusionSamplingParams(Contract):
     """How one image is sampled. `None` means the serving model's configured default."""
 
     seed: Seed | None = None
-    num_inference_steps: Annotated[int, Field(ge=1, le=500)] | None = None
-    guidance_scale: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
-    height: Annotated[int, Field(ge=8, le=4096, multiple_of=8)] | None = None
-    width: Annotated[int, Field(ge=8, le=4096, multiple_of=8)] | None = None
-    negative_prompt: str | None = None
+    num_inference_steps: Steps | None = None
+    guidance_scale: GuidanceScale | None = None
+    height: Side | None = None
+    width: Side | None = None
+    negative_prompt: PromptText | None = None
     # The three inputs the seed contract forbids under invariance (see contracts.invariance).
-    generator_device: Annotated[str, Field(pattern=r"^(cpu|cuda|xpu|mps)(:\d+)?$")] | None = None
+    generator_device: GeneratorDevice | None = None
     latents: NestedFloats | None = None
-    sigmas: Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], Field(min_length=1)] | None = None
+    sigmas: Sigmas | None = None
 
 
 class LLMSamplingParams(Contract):
     """How the LLM stage samples tokens; `to_vllm()` builds vLLM's type inside the actor."""
 
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    max_tokens: Annotated[int, Field(ge=1, le=8192)] = 64
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK | None = None
+    min_p: MinP = 0.0
+    max_tokens: MaxTokens = 64
+    min_tokens: MinTokens = 0
+    stop: StopList = Field(default_factory=list)
     seed: Seed | None = None
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    logprobs: Logprobs | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
 
     @model_validator(mode="after")
     def _min_tokens_fit(self) -> Self:

@@ -1,4 +1,4 @@
-"""Per-image seeds: the one rule that turns a request's seed into the seed of each image it asks for.
+"""Seeds: the range, the type, the server's pick, and the rule that gives each image of a request its own seed.
 
     s_0 = seed
     s_i = int.from_bytes(sha256(f"omniserve/seed_for_image/v1/{seed}/{i}").digest()[:8], "big") >> 11   (i >= 1)
@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from typing import Annotated, Any
 
-from .invariance import MAX_SEED, MIN_SEED, is_valid_seed
+from pydantic import Field
+
+# The range torch.Generator.manual_seed accepts (it takes int64 and uint64 values).
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+#: A seed as every contract types it (strict models: never a bool, float or string).
+Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
 
 #: Derived and server-picked seeds stay below 2**53: JSON numbers that every client parses exactly.
 SAFE_SEED_BITS = 53
@@ -23,10 +30,19 @@ MAX_SAFE_SEED = 2**SAFE_SEED_BITS - 1
 _DOMAIN = "omniserve/seed_for_image/v1"
 
 
+def is_valid_seed(seed: Any) -> bool:
+    """A seed is a real int (never a bool) inside [MIN_SEED, MAX_SEED]."""
+    return isinstance(seed, int) and not isinstance(seed, bool) and MIN_SEED <= seed <= MAX_SEED
+
+
+def seed_range_message(seed: Any) -> str:
+    return f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {seed!r}"
+
+
 def seed_for_image(seed: int, index: int) -> int:
     """The seed of image `index` of a request whose seed is `seed` (index 0 keeps `seed` itself)."""
     if not is_valid_seed(seed):
-        raise ValueError(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {seed!r}")
+        raise ValueError(seed_range_message(seed))
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"index must be a non-negative integer, got {index!r}")
     if index == 0:
@@ -41,5 +57,5 @@ def seeds_for_request(seed: int, n: int) -> list[int]:
 
 
 def pick_seed() -> int:
-    """A fresh seed for a request that has none (only allowed with diffusion invariance off)."""
+    """A fresh seed for a request that has none (only allowed with that stage's invariance off)."""
     return secrets.randbits(SAFE_SEED_BITS)

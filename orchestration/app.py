@@ -2,9 +2,8 @@
 
     client -> Ingress -> LLMStage.enhance (seed s_i) -> DiffusionStage.generate (seed s_i) -> client
 
-Each stage's batch-invariance switch is resolved here, once, in the process that builds the app, and
-passed to its replicas as an explicit boolean: an actor on another node never consults the builder's
-environment, and the ingress reports exactly the values the stages were given.
+Each deployment gets its typed config whole, Serve's options included. Both batch-invariance switches are
+resolved here, once, in the process that builds the app (`AppConfig.with_resolved_switches`).
 """
 
 from __future__ import annotations
@@ -14,34 +13,22 @@ from typing import Any
 
 from ray import serve
 
-from contracts.invariance import resolve_batch_invariant
 from stages.diffusion import DiffusionStage
 from stages.llm import LLMStage
 
-from .config import AppConfig, ServingSettings
+from .config import DEPLOYMENT_NAMES, AppConfig
 from .ingress import Ingress
-
-#: Deployment names (fixed: Serve config files and /health refer to them).
-DEPLOYMENT_NAMES = {"ingress": "Ingress", "llm": "LLMStage", "diffusion": "DiffusionStage"}
 
 
 def build_app(config: AppConfig | Mapping[str, Any] | None = None) -> serve.Application:
     """The whole app from one config (None: the embedded defaults, offline on 2 CPUs)."""
     config = config if isinstance(config, AppConfig) else AppConfig.model_validate(config or {})
-    switches = {
-        stage: resolve_batch_invariant(stage, override=getattr(config, stage).batch_invariant)
-        for stage in ("llm", "diffusion")
-    }
-    llm = LLMStage.options(name=DEPLOYMENT_NAMES["llm"], **config.llm.deployment_options()).bind(
-        config.llm.model, **config.llm.stage_kwargs(switches["llm"])
-    )
+    config = config.with_resolved_switches()
+    llm = LLMStage.options(name=DEPLOYMENT_NAMES["llm"], **config.llm.deployment_options()).bind(config.llm)
     diffusion = DiffusionStage.options(name=DEPLOYMENT_NAMES["diffusion"], **config.diffusion.deployment_options()).bind(
-        config.diffusion.model, **config.diffusion.stage_kwargs(switches["diffusion"])
+        config.diffusion
     )
-    settings = ServingSettings.of(config, switches, DEPLOYMENT_NAMES)
-    return Ingress.options(name=DEPLOYMENT_NAMES["ingress"], **config.ingress.deployment_options()).bind(
-        llm, diffusion, settings.model_dump()
-    )
+    return Ingress.options(name=DEPLOYMENT_NAMES["ingress"], **config.ingress.deployment_options()).bind(llm, diffusion, config)
 
 
 def app_builder(args: Mapping[str, Any] | None = None) -> serve.Application:

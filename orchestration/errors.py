@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from contracts.errors import OmniError, QueueFullError
-from contracts.http import describe_validation_error
-from contracts.invariance import SeedContractError
+from contracts.errors import OmniError, QueueFullError, describe_validation_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -47,6 +45,12 @@ def _retry_after(seconds: float | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds or 1)))}
 
 
+def client_error(errors: list[dict], root: tuple[str, ...] = ()) -> HTTPError:
+    """A 400 for pydantic errors (a request body FastAPI validated has `root=("body",)`)."""
+    message, param, code = describe_validation_error(errors, root=root)
+    return HTTPError(400, "invalid_request_error", message, param, code)
+
+
 def http_error(exc: BaseException) -> HTTPError:
     """Map any exception raised while serving a request (here or in a replica) to its HTTP error."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -61,11 +65,8 @@ def http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, BackPressureError):
         return HTTPError(503, "server_overloaded", f"the server is busy: {exc.message} Retry shortly.",
                          code="queue_full", headers=_retry_after(exc.retry_after_s))
-    if isinstance(exc, SeedContractError):
-        return HTTPError(400, "invalid_request_error", str(exc), exc.param, "seed_contract")
     if isinstance(exc, ValidationError):
-        message, param, code = describe_validation_error(exc)
-        return HTTPError(400, "invalid_request_error", message, param, code)
+        return client_error(exc.errors(include_url=False))
     if isinstance(exc, ValueError):
         # Stages raise ValueErrors (with `param` when they know it) for input they refuse.
         return HTTPError(400, "invalid_request_error", str(exc), getattr(exc, "param", None), "invalid_value")

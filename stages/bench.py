@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from contracts.sampling import DiffusionSamplingParams
+from stages.audit.diffusion import stock_renderer
 from stages.diffusion import DiffusionRenderer, Job
+from stages.embedded import embedded_models
 from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
-
-MODELS = ("omniserve/tiny-sd-unet", "omniserve/tiny-sd3-dit")
 
 
 def _seconds(renderer: DiffusionRenderer, jobs: list[Job]) -> float:
@@ -32,8 +32,7 @@ def benchmark_model(
     repeats: int = 5,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
-    disable_batch_invariant_kernels()
-    renderer = DiffusionRenderer(model)
+    renderer = stock_renderer(model, batch_invariant=False)  # kernels are switched below, between rounds
     rows = []
     for size in sizes:
         params = renderer.resolve(DiffusionSamplingParams(seed=0, num_inference_steps=steps, height=size, width=size))
@@ -66,7 +65,7 @@ def benchmark_model(
     return rows
 
 
-def run_benchmark(models: Sequence[str] = MODELS, *, command: Sequence[str] | None = None, **options) -> dict:
+def run_benchmark(models: Sequence[str] = embedded_models("diffusion"), *, command: Sequence[str] | None = None, **options) -> dict:
     from stages.audit.report import environment
 
     rows = [row for model in models for row in benchmark_model(model, **options)]

@@ -1,11 +1,13 @@
 """The diffusion stage: one diffusers pipeline per replica, keyed dynamic batching, bit-identical output.
 
 Read top to bottom:
+  BatchKey, Job      what decides whether two requests may share a forward; one image to render
   DiffusionRenderer  loads the pipeline (kernels first, when the switch is on), fills a request's
-                     defaults, and renders a batch of same-key requests: one CPU generator per sample,
-                     built here from the seed, then PNG bytes and their sha256.
-  DiffusionStage     the Ray Serve deployment: admission (seed contract, shapes), one @serve.batch
-                     queue per batch key, a bounded number of requests in flight, provenance.
+                     defaults, refuses what this model cannot render, and renders a batch of same-key
+                     requests: one CPU generator per sample, built here from the seed.
+  DiffusionStage     the Ray Serve deployment: admission (`contracts.admission`), one @serve.batch
+                     queue per batch key, a bounded number of requests in flight, PNG bytes, their
+                     sha256 and provenance as a `RenderedImage`.
 
 Nothing here knows about HTTP; errors are typed (`contracts.errors`) for the ingress to map.
 """
@@ -16,27 +18,31 @@ import asyncio
 import hashlib
 import inspect
 import io
-import secrets
-import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
 
+from contracts.admission import admit_diffusion_params, admit_prompt
+from contracts.config import DiffusionDefaults, DiffusionStageConfig
 from contracts.errors import InvalidRequestError, QueueFullError
-from contracts.invariance import SeedContractError, resolve_batch_invariant, validate_seed_contract
+from contracts.invariance import resolve_batch_invariant
+from contracts.results import RenderedImage, StageDescription
 from contracts.sampling import DiffusionSamplingParams
+from contracts.seeds import pick_seed
+from stages import replica_id
+from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
 
-#: Embedded tiny pipelines, by model id (no download: built locally, see stages.embedded.diffusion).
-EMBEDDED_DEFAULT = "omniserve/tiny-sd-unet"
-MAX_PROMPT_CHARS = 4000
 # From this many pixels per image the VAE decodes a batch one image at a time. A batched decode's
 # full-resolution activations outgrow the CPU caches, so each image costs more in a batch than
 # alone (measured, tiny DiT at 256x256 with kernels on: 0.93x per image at batch 8 vs 1 batched,
 # 1.11x sliced; at 64x64 batching the decode pays: 1.69x batched vs 1.54x sliced). Bits are
 # unaffected with invariance on: the decoder is batch-invariant either way.
 SLICED_DECODE_PIXELS = 128 * 128
+#: The sampling params a RenderedImage reports (each one as the image was really rendered).
+RENDERED_PARAMS = {"seed", "height", "width", "num_inference_steps", "guidance_scale"}
 
 
 @dataclass(frozen=True)
@@ -85,90 +91,84 @@ def encode_png(image) -> bytes:
     return buffer.getvalue()
 
 
-class DiffusionRenderer:
-    """A loaded pipeline plus the rules for filling and rendering requests. No Ray, no HTTP."""
+def load_pipeline(model: str, *, device: str, dtype: str):
+    """An embedded tiny pipeline (built locally) or a diffusers checkpoint, on `device`, progress bars off."""
+    import torch
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        batch_invariant: bool = False,
-        device: str = "cpu",
-        dtype: str = "float32",
-        torch_threads: int | None = None,
-        defaults: dict | None = None,
-        max_pixels: int = 512 * 512,
-    ):
+    if model in EMBEDDED_MODELS:
+        from stages.embedded.diffusion import load_tiny_pipeline
+
+        pipe = load_tiny_pipeline(EMBEDDED_MODELS[model].recipe, dtype=getattr(torch, dtype))
+    else:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype))
+    pipe = pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class DiffusionRenderer:
+    """A loaded pipeline plus the rules for filling and rendering requests. No Ray, no HTTP.
+
+    `config.batch_invariant` must already be resolved to a bool (the stage does it; the audit sets it).
+    """
+
+    def __init__(self, config: DiffusionStageConfig):
         import torch
 
         from stages.kernels import current_report, enable_batch_invariant_kernels
 
-        self.batch_invariant = batch_invariant
-        self.device = device
-        self.torch_threads = torch_threads
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        self.config = config
+        self.batch_invariant = bool(config.batch_invariant)
+        self.device = config.device
+        self.torch_threads = config.torch_threads
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
         # Kernels go in before the model loads, so nothing is built or warmed with stock kernels.
-        self.kernels = enable_batch_invariant_kernels(device) if batch_invariant else current_report()
-        self.model = model or EMBEDDED_DEFAULT
-        self.pipe = self._load(self.model, getattr(torch, dtype))
-        self.pipe.set_progress_bar_config(disable=True)
-        self.max_pixels = max_pixels
+        self.kernels = enable_batch_invariant_kernels(self.device) if self.batch_invariant else current_report()
+        self.model = config.model or DEFAULT_MODELS["diffusion"]
+        self.pipe = load_pipeline(self.model, device=self.device, dtype=config.dtype)
         # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size.
         patch = getattr(getattr(self.pipe, "transformer", None), "config", None)
         self.size_multiple = self.pipe.vae_scale_factor * (getattr(patch, "patch_size", 1) or 1)
         self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters
-        self.defaults = self._defaults(defaults or {})
+        self.defaults = self._defaults(config.defaults)
 
-    def _load(self, model: str, dtype):
-        from stages.embedded.diffusion import MODEL_IDS, load_tiny_pipeline
-
-        embedded = {model_id: kind for kind, model_id in MODEL_IDS.items()}
-        if model in embedded:
-            pipe = load_tiny_pipeline(embedded[model], dtype=dtype)
-        else:
-            from diffusers import DiffusionPipeline
-
-            pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
-        return pipe.to(self.device)
-
-    def _defaults(self, given: dict) -> dict:
-        embedded = self.model.startswith("omniserve/")
+    def _defaults(self, given: DiffusionDefaults) -> dict:
+        """The model's own defaults (the embedded ones are small), overridden by the configured ones."""
+        embedded = self.model in EMBEDDED_MODELS
         size = 64 if embedded else self.pipe.default_sample_size * self.pipe.vae_scale_factor
-        defaults = {
-            "num_inference_steps": 8 if embedded else 28,
-            "guidance_scale": 5.0,
-            "height": size,
-            "width": size,
-        }
-        unknown = set(given) - set(defaults)
-        if unknown:
-            raise ValueError(f"unknown diffusion defaults: {sorted(unknown)}")
-        return {**defaults, **given}
+        defaults = {"num_inference_steps": 8 if embedded else 28, "guidance_scale": 5.0, "height": size, "width": size}
+        return {**defaults, **given.model_dump(exclude_none=True)}
+
+    # --- admission of resolved params: what this model can render -------------------------------------
 
     def resolve(self, params: DiffusionSamplingParams, *, seed: int | None = None) -> DiffusionSamplingParams:
-        """Fill unset fields with this model's defaults; refuse what this model cannot render."""
+        """Fill unset fields with this model's defaults; refuse what exceeds the limits or this model."""
         filled = {k: v for k, v in self.defaults.items() if getattr(params, k) is None}
         if params.seed is None:
             # Only reachable with invariance off: the seed contract refuses seedless requests when on.
-            filled["seed"] = seed if seed is not None else secrets.randbits(63)
+            filled["seed"] = seed if seed is not None else pick_seed()
         resolved = params.model_copy(update=filled) if filled else params
-        height, width = resolved.height, resolved.width
-        for name, value in (("height", height), ("width", width)):
+        self.config.check_limits(resolved)
+        self._check_renderable(resolved)
+        return resolved
+
+    def _check_renderable(self, params: DiffusionSamplingParams) -> None:
+        for name in ("height", "width"):
+            value = getattr(params, name)
             if value % self.size_multiple:
                 raise InvalidRequestError(f"{name} must be a multiple of {self.size_multiple} for {self.model}, got {value}", param=name)
-        if height * width > self.max_pixels:
-            raise InvalidRequestError(f"{width}x{height} exceeds this deployment's limit of {self.max_pixels} pixels", param="size")
-        if resolved.sigmas is not None:
+        if params.sigmas is not None:
             if not self.accepts_sigmas:
                 raise InvalidRequestError(f"{self.model}'s scheduler does not take sigmas", param="sigmas")
-            if len(resolved.sigmas) != resolved.num_inference_steps:
+            if len(params.sigmas) != params.num_inference_steps:
                 raise InvalidRequestError("sigmas must have num_inference_steps entries", param="sigmas")
-        if resolved.generator_device and resolved.generator_device.split(":")[0] not in ("cpu", self.device.split(":")[0]):
-            raise InvalidRequestError(f"generator_device {resolved.generator_device!r} is not available here", param="generator_device")
-        if resolved.latents is not None:
-            self._latents_tensor(resolved)  # shape check at admission, not inside a batch
-        return resolved
+        if params.generator_device and params.generator_device.split(":")[0] not in ("cpu", self.device.split(":")[0]):
+            raise InvalidRequestError(f"generator_device {params.generator_device!r} is not available here", param="generator_device")
+        if params.latents is not None:
+            self._latents_tensor(params)  # shape check at admission, not inside a batch
 
     def _latent_shape(self, params: DiffusionSamplingParams) -> tuple[int, ...]:
         denoiser = getattr(self.pipe, "unet", None) or self.pipe.transformer
@@ -187,6 +187,8 @@ class DiffusionRenderer:
             raise InvalidRequestError(f"latents must have shape {list(self._latent_shape(params))}, got {list(latents.shape)}", param="latents")
         return latents
 
+    # --- rendering --------------------------------------------------------------------------------------
+
     def render(self, jobs: list[Job], **pipeline_kwargs: Any):
         """Render same-key jobs in one forward; returns float images (N, H, W, 3) in [0, 1]."""
         import torch
@@ -195,7 +197,18 @@ class DiffusionRenderer:
             torch.set_num_threads(self.torch_threads)  # per thread: OpenMP settings do not follow threads
         key = BatchKey.of(jobs[0].params)
         assert all(BatchKey.of(job.params) == key for job in jobs), "a batch mixes keys"
-        # One generator per sample, created here from its seed; never shared, never reused.
+        kwargs = self._pipeline_inputs(jobs, key)
+        vae = getattr(self.pipe, "vae", None)
+        if hasattr(vae, "use_slicing"):
+            vae.use_slicing = key.height * key.width >= SLICED_DECODE_PIXELS
+        with torch.inference_mode():
+            return self.pipe(**kwargs, **pipeline_kwargs).images
+
+    def _pipeline_inputs(self, jobs: list[Job], key: BatchKey) -> dict[str, Any]:
+        """The pipeline's keyword arguments for one batch: one generator per sample, made here from its seed."""
+        import torch
+
+        # Never shared, never reused: a sample's noise depends on its own seed only.
         generators = [torch.Generator(key.generator_device).manual_seed(job.params.seed) for job in jobs]
         kwargs = dict(
             prompt=[job.prompt for job in jobs],
@@ -213,11 +226,7 @@ class DiffusionRenderer:
         if key.has_latents:
             dtype = next(self.pipe.components[c] for c in ("unet", "transformer") if c in self.pipe.components).dtype
             kwargs["latents"] = torch.stack([self._latents_tensor(job.params) for job in jobs]).to(self.device, dtype)
-        vae = getattr(self.pipe, "vae", None)
-        if hasattr(vae, "use_slicing"):
-            vae.use_slicing = key.height * key.width >= SLICED_DECODE_PIXELS
-        with torch.inference_mode():
-            return self.pipe(**kwargs, **pipeline_kwargs).images
+        return kwargs
 
     def warm_up(self) -> None:
         """One small render so the first request does not pay for kernel set-up."""
@@ -225,63 +234,35 @@ class DiffusionRenderer:
         self.render([Job("warm-up", params)])
 
 
-@serve.deployment(max_ongoing_requests=64)
+@serve.deployment
 class DiffusionStage:
     """One pipeline per replica, keyed dynamic batching. `DiffusionStage.func_or_class` is the plain class."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        batch_invariant: bool | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
-        torch_threads: int | None = None,
-        max_batch_size: int = 8,
-        batch_wait_timeout_s: float = 0.05,
-        max_queued: int = 64,
-        defaults: dict | None = None,
-        max_pixels: int = 512 * 512,
-        warm_up: bool = True,
-    ):
-        if max_batch_size < 1 or max_queued < max_batch_size:
-            raise ValueError("need 1 <= max_batch_size <= max_queued")
-        self.batch_invariant = resolve_batch_invariant("diffusion", override=batch_invariant)
-        self.renderer = DiffusionRenderer(
-            model, batch_invariant=self.batch_invariant, device=device, dtype=dtype,
-            torch_threads=torch_threads, defaults=defaults, max_pixels=max_pixels,
-        )
-        self.max_batch_size = max_batch_size
-        self.batch_wait_timeout_s = batch_wait_timeout_s
-        self.max_queued = max_queued
+    def __init__(self, config: DiffusionStageConfig | Mapping | None = None):
+        config = DiffusionStageConfig.model_validate(config if config is not None else {})
+        batch_invariant = resolve_batch_invariant("diffusion", override=config.batch_invariant)
+        self.config = config.model_copy(update={"batch_invariant": batch_invariant})
+        self.batch_invariant = batch_invariant
+        self.renderer = DiffusionRenderer(self.config)
         self.in_flight = 0
         self._queues: dict[BatchKey, Any] = {}
         # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful),
         # and the event loop stays free to admit and queue requests meanwhile.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
-        self.replica = _replica_id()
-        if warm_up:
+        self.replica = replica_id()
+        if self.config.warm_up:
             self.renderer.warm_up()
 
     def admit(self, prompt: Any, params: Any) -> Job:
         """Validate one request into a Job, or raise InvalidRequestError. Nothing is dropped or replaced."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequestError(f"prompt is longer than {MAX_PROMPT_CHARS} characters", param="prompt")
-        try:
-            params = DiffusionSamplingParams.from_params(params)
-            validate_seed_contract(params, batch_invariant=self.batch_invariant)
-        except SeedContractError as err:
-            raise InvalidRequestError(str(err), param=err.param) from err
-        except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError
-            raise InvalidRequestError(str(err), param=_first_field(err)) from err
+        prompt = admit_prompt(prompt)
+        params = admit_diffusion_params(params, batch_invariant=self.batch_invariant)
         return Job(prompt, self.renderer.resolve(params))
 
-    async def generate(self, prompt: str, params: dict | DiffusionSamplingParams | None = None) -> dict:
-        """Render one image; returns PNG bytes and provenance."""
+    async def generate(self, prompt: str, params: Mapping | DiffusionSamplingParams | None = None) -> RenderedImage:
+        """Render one image: PNG bytes, their sha256 and provenance."""
         job = self.admit(prompt, params or {})
-        if self.in_flight >= self.max_queued:
+        if self.in_flight >= self.config.max_queued:
             raise QueueFullError(f"diffusion replica {self.replica} has {self.in_flight} requests in flight; retry shortly")
         self.in_flight += 1
         try:
@@ -294,68 +275,51 @@ class DiffusionStage:
         queue = self._queues.get(key)
         if queue is None:
 
-            @serve.batch(max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s)
-            async def run_batch(jobs: list[Job]) -> list[dict]:
+            @serve.batch(max_batch_size=self.config.max_batch_size, batch_wait_timeout_s=self.config.batch_wait_timeout_s)
+            async def run_batch(jobs: list[Job]) -> list[RenderedImage]:
                 loop = asyncio.get_running_loop()
                 return await loop.run_in_executor(self._compute, self._render, jobs)
 
             self._queues[key] = queue = run_batch
         return queue
 
-    def _render(self, jobs: list[Job]) -> list[dict]:
+    def _render(self, jobs: list[Job]) -> list[RenderedImage]:
         images = self.renderer.render(jobs)
-        results = []
-        for job, image in zip(jobs, images):
-            png = encode_png(image)
-            params = job.params
-            results.append({
-                "png": png,
-                "sha256": hashlib.sha256(png).hexdigest(),
-                "seed": params.seed,
-                "height": params.height,
-                "width": params.width,
-                "num_inference_steps": params.num_inference_steps,
-                "guidance_scale": params.guidance_scale,
-                "batch_size": len(jobs),
-                "batch_invariant": self.batch_invariant,
-                "kernel_backend": self.renderer.kernels.backend,
-                "model": self.renderer.model,
-                "replica": self.replica,
-            })
-        return results
+        return [self._rendered(job, encode_png(image), batch_size=len(jobs)) for job, image in zip(jobs, images)]
 
-    async def describe(self) -> dict:
-        return {
-            "stage": "diffusion",
-            "model": self.renderer.model,
-            "replica": self.replica,
-            "batch_invariant": self.batch_invariant,
-            "kernels": self.renderer.kernels.to_dict(),
-            "device": self.renderer.device,
-            "torch_threads": self.renderer.torch_threads,
-            "defaults": self.renderer.defaults,
-            "batching": {"max_batch_size": self.max_batch_size, "batch_wait_timeout_s": self.batch_wait_timeout_s,
-                         "max_queued": self.max_queued, "in_flight": self.in_flight},
-        }
+    def _rendered(self, job: Job, png: bytes, *, batch_size: int) -> RenderedImage:
+        return RenderedImage(
+            png=png,
+            sha256=hashlib.sha256(png).hexdigest(),
+            **job.params.model_dump(include=RENDERED_PARAMS),
+            batch_size=batch_size,
+            model=self.renderer.model,
+            batch_invariant=self.batch_invariant,
+            kernel_backend=self.renderer.kernels.backend,
+            replica=self.replica,
+        )
+
+    async def describe(self) -> StageDescription:
+        config = self.config
+        batching = {"max_batch_size": config.max_batch_size, "batch_wait_timeout_s": config.batch_wait_timeout_s,
+                    "max_queued": config.max_queued, "in_flight": self.in_flight}
+        return StageDescription(
+            stage="diffusion",
+            model=self.renderer.model,
+            replica=self.replica,
+            batch_invariant=self.batch_invariant,
+            kernel_backend=self.renderer.kernels.backend,
+            kernels=self.renderer.kernels.to_dict(),
+            running=self._computing(),
+            details={"device": self.renderer.device, "torch_threads": self.renderer.torch_threads,
+                     "defaults": dict(self.renderer.defaults), "batching": batching},
+        )
+
+    def _computing(self) -> bool:
+        """The compute thread can still take batches (the executor starts it on the first one)."""
+        return not self._compute._shutdown and all(thread.is_alive() for thread in self._compute._threads)
 
     def check_health(self) -> None:
-        if self._compute._shutdown:
+        if not self._computing():
             raise RuntimeError("the compute thread is gone")
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Serve (tests, audit): a process-local name
-        return f"local-{threading.get_ident():x}"
-
-
-def _first_field(err: Exception) -> str | None:
-    errors = getattr(err, "errors", None)
-    if callable(errors):
-        for item in errors():
-            loc = item.get("loc") or ()
-            if loc:
-                return str(loc[0])
-    return None
 

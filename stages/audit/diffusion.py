@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from contracts.config import DiffusionStageConfig
 from contracts.sampling import DiffusionSamplingParams
 from stages.diffusion import DiffusionRenderer, Job
+from stages.embedded import embedded_models
 from stages.kernels import disable_batch_invariant_kernels
 
-MODELS = ("omniserve/tiny-sd-unet", "omniserve/tiny-sd3-dit")
 TARGET = ("a red fox in the snow, watercolor", 42)
 NEIGHBOURS = [
     ("a lighthouse at dusk, oil painting", 7),
@@ -38,6 +39,16 @@ class Sample:
     initial_latents: torch.Tensor
     final_latents: torch.Tensor
     pixels: torch.Tensor
+
+
+def stock_renderer(model: str, *, batch_invariant: bool, dtype: str = "float32") -> DiffusionRenderer:
+    """The stage's own renderer, from stock kernels; it installs the kernels itself when `batch_invariant`.
+
+    torch_threads=None: torch's own thread count, as the audit and the benchmark have always measured.
+    """
+    disable_batch_invariant_kernels()
+    config = DiffusionStageConfig(model=model, batch_invariant=batch_invariant, dtype=dtype, torch_threads=None)
+    return DiffusionRenderer(config)
 
 
 def batches(batch_sizes: Sequence[int], orderings: Sequence[str]) -> list[tuple[str, list[tuple[str, int]], int]]:
@@ -163,10 +174,8 @@ def audit_model(
     """All runs for one model; also returns (solo, co-batched) samples of the worst run per setting, for pictures."""
     runs, examples = [], {}
     plans = batches(batch_sizes, orderings)
-    for setting in kernels:
-        disable_batch_invariant_kernels()  # each setting starts from stock kernels
-        # The stage's own renderer: it installs the kernels itself when its switch is on.
-        renderer = DiffusionRenderer(model, batch_invariant=setting == "on", dtype=dtype)
+    for setting in kernels:  # each setting starts from stock kernels
+        renderer = stock_renderer(model, batch_invariant=setting == "on", dtype=dtype)
         params = renderer.resolve(DiffusionSamplingParams(seed=TARGET[1], num_inference_steps=steps, height=size, width=size))
         solo = render(renderer, [TARGET], params)[0]
         worst = (-1, None)
@@ -220,7 +229,7 @@ def picture(examples: dict[str, list[Sample]], path: str, scale: int = 4) -> Non
 
 
 def run_diffusion_audit(
-    models: Sequence[str] = MODELS,
+    models: Sequence[str] = embedded_models("diffusion"),
     *,
     picture_path: str | None = None,
     command: Sequence[str] | None = None,

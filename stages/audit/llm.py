@@ -1,32 +1,33 @@
 """The LLM stage's batch-invariance audit: measured, not asserted.
 
-For each kernel setting (off: the control, on: the LLM switch) one `LLMEngine` is started. The
+For each kernel setting (off: the control, on: the LLM switch) one `LLMEngine` is started from an
+`LLMStageConfig`. The
 targets are the stage's own enhancement requests (chat template, system prompt, structured
 output on the embedded model) for a short and a long prompt. Each runs solo, then co-batched
 with 1..7 neighbours in several orderings, greedy and seeded. Neighbours differ in prompt length (random-token
 prompts and other enhancement requests that share the system prompt), in sampling and in
 output length, so the batch changes shape while the target decodes. Every co-batched run is
-queued while the scheduler is paused (`LLMEngine.generate_co_batched`), so all its requests
+queued while the scheduler is paused (`generate_co_batched` below), so all its requests
 enter the same step; `co_scheduled` records how many did.
 
 `differing_elements` counts, against the target's solo run, differing token ids plus differing
 logprob values (the top-k entries of every position, the sampled token's included).
 
-    python -m stages.audit.llm --json audit-llm.json [--model embedded:wide-llama]
+    omniserve audit --stage llm --json audit-llm.json [--model embedded:wide-llama]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import random
-import sys
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from contracts import LLMSamplingParams
+from contracts.config import LLMStageConfig
+from contracts.results import Generation
+from contracts.sampling import LLMSamplingParams
 
 #: The targets: a short enhancement request, and a long one whose KV cache spans several blocks
 #: (and, with split-KV on, gets split across threads).
@@ -74,15 +75,15 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def count_differences(reference: dict, result: dict) -> tuple[int, int, int]:
+def count_differences(reference: Generation, result: Generation) -> tuple[int, int, int]:
     """(differing token ids, differing logprob values, total elements of the reference)."""
-    ref_ids, ids = reference["token_ids"], result["token_ids"]
+    ref_ids, ids = reference.token_ids, result.token_ids
     tokens = sum(a != b for a, b in zip(ref_ids, ids)) + abs(len(ref_ids) - len(ids))
-    ref_top, top = reference["top_logprobs"], result["top_logprobs"]
+    ref_top, top = reference.top_logprobs, result.top_logprobs
     logprobs = 0
     for i in range(max(len(ref_top), len(top))):
-        a = dict(map(tuple, ref_top[i])) if i < len(ref_top) else {}
-        b = dict(map(tuple, top[i])) if i < len(top) else {}
+        a = dict(ref_top[i]) if i < len(ref_top) else {}
+        b = dict(top[i]) if i < len(top) else {}
         logprobs += sum(a.get(k) != b.get(k) for k in a.keys() | b.keys())
     total = len(ref_ids) + sum(len(step) for step in ref_top)
     return tokens, logprobs, total
@@ -111,11 +112,62 @@ def batch_orders(batch_size: int, orderings: Iterable[str]) -> list[tuple[str, l
     return orders
 
 
+# --- co-batching: requests that share one scheduling step ------------------------------------------
+
+
+async def generate_co_batched(engine, requests: Sequence[tuple[list[int], Any]], settle_s: float = 0.1) -> list[Generation]:
+    """Run (prompt ids, vLLM SamplingParams) requests on a started `LLMEngine` so that they enter one step.
+
+    The scheduler is paused while all of them are queued, in order, then resumed: their
+    prefills share one step and their decodes run together.
+    """
+    llm = engine.async_llm
+    await llm.pause_generation(mode="keep", clear_cache=False)
+    queued = []
+    try:
+        for prompt_ids, sampling in requests:
+            # add_request returns once the request is on its way to the engine core, so
+            # arrival order is batch order and the resume below comes after all of them.
+            queued.append(await _submit(llm, prompt_ids, sampling))
+        # Structured-output requests wait for their grammar (compiled in the engine core,
+        # off the scheduler); the pause gives it time so no request misses the first step.
+        await asyncio.sleep(settle_s)
+    finally:
+        await llm.resume_generation()
+    return list(await asyncio.gather(*(_collect(llm, q) for q in queued)))
+
+
+async def _submit(llm, prompt_ids: list[int], sampling):
+    from vllm.inputs import TokensPrompt
+
+    return await llm.add_request(uuid.uuid4().hex, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
+
+
+async def _collect(llm, queue) -> Generation:
+    from stages.llm.engine import to_generation
+
+    final = None
+    try:
+        while final is None or not final.finished:
+            final = queue.get_nowait() or await queue.get()
+    except asyncio.CancelledError:
+        await llm.abort(queue.request_id, internal=True)
+        raise
+    finally:
+        queue.close()
+    return to_generation(final)
+
+
+# --- the audit ------------------------------------------------------------------------------------
+
+
 class _Requests:
     """Builds fresh vLLM requests (vLLM may mutate SamplingParams, so never reuse one)."""
 
     def __init__(self, engine, max_tokens: int, greedy_only: bool = False):
-        self.engine = engine
+        from stages.llm import LLMRequests
+
+        self.requests = LLMRequests(engine)
         self.max_tokens = max_tokens
         self.greedy_only = greedy_only
         vocab = len(engine.tokenizer)
@@ -133,9 +185,8 @@ class _Requests:
         return LLMSamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=max_tokens, logprobs=TOP_LOGPROBS)
 
     def enhancement(self, prompt: str, sampling: str, seed: int):
-        ids = self.engine.encode_enhancement(prompt)
-        params, extra = self.engine.enhancement_params(self._params(sampling, seed, self.max_tokens))
-        return ids, self.engine.vllm_params(params, len(ids), field="prompt", **extra)
+        ids, _, vllm_sampling = self.requests.enhancement(prompt, self._params(sampling, seed, self.max_tokens))
+        return ids, vllm_sampling
 
     def target(self, target: str, sampling: str):
         return self.enhancement(TARGETS[target], sampling, TARGET_SEED)
@@ -145,8 +196,37 @@ class _Requests:
         if kind == "enhance":
             return self.enhancement(what, sampling, seed=100 + index)
         ids = self.token_prompts[what]
-        params = self._params(sampling, 100 + index, max_tokens)
-        return ids, self.engine.vllm_params(params, len(ids), field="prompt")
+        return ids, self.requests.sampling(self._params(sampling, 100 + index, max_tokens), len(ids), field="prompt")
+
+
+def _plan(batch_sizes: Sequence[int], orderings: Sequence[str]) -> list[tuple[str, list[int]]]:
+    plan = [("solo-repeat", [-1])] if 1 in batch_sizes else []
+    for size in batch_sizes:
+        if size > 1:
+            plan += batch_orders(size, orderings)
+    return plan
+
+
+def _record(base: dict, order: list[int], batch: list, results: list[Generation], reference: Generation) -> dict:
+    """One run's row: how the target's co-batched result differs from its solo reference."""
+    mine = results[order.index(-1)]
+    tokens, logprobs, total = count_differences(reference, mine)
+    return {
+        **base,
+        "batch_size": len(order),
+        "differing_elements": tokens + logprobs,
+        "total_elements": total,
+        "differing_token_ids": tokens,
+        "differing_logprobs": logprobs,
+        "target_position": order.index(-1),
+        "target_prompt_tokens": len(batch[order.index(-1)][0]),
+        "target_cached_tokens": mine.cached_tokens,
+        "reference_cached_tokens": reference.cached_tokens,
+        "neighbours": [NEIGHBOURS[i][:2] for i in order if i >= 0],
+        "co_scheduled": sum(r.scheduled_ts == mine.scheduled_ts for r in results) if mine.scheduled_ts else None,
+        "target_tokens": len(mine.token_ids),
+        "target_text": mine.text,
+    }
 
 
 async def audit_engine(
@@ -167,94 +247,61 @@ async def audit_engine(
     if greedy_only:
         samplings = [s for s in samplings if s == "greedy"]
     runs = []
-    threads = {r.get("torch_threads") for r in engine.worker_reports}
-    base = {"stage": "llm", "model": engine.model.name, "kernels": kernels, "dtype": engine.settings.args["dtype"]}
-    if ablation:
-        base["ablation"] = ablation
+    threads = "/".join(map(str, sorted({r.get("torch_threads") for r in engine.worker_reports})))
+    label = kernels + (f"/{ablation}" if ablation else "")
     for target in targets:
         for sampling in samplings:
-            (reference,) = await engine.generate_co_batched([requests.target(target, sampling)])
-            plan = [("solo-repeat", [-1])] if 1 in batch_sizes else []
-            for size in batch_sizes:
-                if size > 1:
-                    plan += batch_orders(size, orderings)
-            for ordering, order in plan:
+            (reference,) = await generate_co_batched(engine, [requests.target(target, sampling)])
+            for ordering, order in _plan(batch_sizes, orderings):
                 batch = [requests.target(target, sampling) if i < 0 else requests.neighbour(i) for i in order]
                 started = time.monotonic()
-                results = await engine.generate_co_batched(batch)
-                mine = results[order.index(-1)]
-                tokens, logprobs, total = count_differences(reference, mine)
-                run = {
-                    **base,
+                results = await generate_co_batched(engine, batch)
+                base = {
+                    "stage": "llm", "model": engine.model.name, "kernels": kernels, "dtype": engine.settings.args["dtype"],
+                    **({"ablation": ablation} if ablation else {}),
                     # What the evidence table groups by, beside stage, model, dtype and kernels.
-                    "detail": f"{target} prompt, {sampling}, {'/'.join(map(str, sorted(threads)))} worker thread(s)"
+                    "detail": f"{target} prompt, {sampling}, {threads} worker thread(s)"
                     + (f", ablation {ablation}" if ablation else ""),
-                    "target": target,
-                    "ordering": ordering,
-                    "batch_size": len(order),
-                    "sampling": sampling,
-                    "differing_elements": tokens + logprobs,
-                    "total_elements": total,
-                    "differing_token_ids": tokens,
-                    "differing_logprobs": logprobs,
-                    "target_position": order.index(-1),
-                    "target_prompt_tokens": len(batch[order.index(-1)][0]),
-                    "target_cached_tokens": mine["cached_tokens"],
-                    "reference_cached_tokens": reference["cached_tokens"],
-                    "neighbours": [NEIGHBOURS[i][:2] for i in order if i >= 0],
-                    "co_scheduled": sum(r["scheduled_ts"] == mine["scheduled_ts"] for r in results)
-                    if mine["scheduled_ts"]
-                    else None,
-                    "target_tokens": len(mine["token_ids"]),
-                    "target_text": mine["text"],
-                    "seconds": round(time.monotonic() - started, 2),
+                    "target": target, "ordering": ordering, "sampling": sampling,
                 }
+                run = {**_record(base, order, batch, results, reference), "seconds": round(time.monotonic() - started, 2)}
                 runs.append(run)
                 log(
-                    f"[llm audit] kernels={kernels}{'/' + ablation if ablation else ''} {target} {sampling} "
-                    f"batch={run['batch_size']} {ordering}: {run['differing_elements']}/{total} differ "
+                    f"[llm audit] kernels={label} {target} {sampling} batch={run['batch_size']} {ordering}: "
+                    f"{run['differing_elements']}/{run['total_elements']} differ "
                     f"(co-scheduled {run['co_scheduled']}, cached {run['target_cached_tokens']})"
                 )
     return runs
 
 
-async def _run(
-    model: str | None,
-    kernels: Sequence[str],
-    targets: Sequence[str],
-    batch_sizes: Sequence[int],
-    orderings: Sequence[str],
-    samplings: Sequence[str],
-    max_tokens: int,
-    ablation: str | None,
-    engine_kwargs: dict,
-    log,
-) -> tuple[list[dict], dict]:
+def audit_config(model: str | None, setting: str, *, dtype: str, torch_threads: int | None) -> LLMStageConfig:
+    """The engine of one kernel setting: the stage's own config, with log stats on (they time the scheduling)."""
+    return LLMStageConfig(
+        model=model,
+        batch_invariant=(setting == "on"),
+        dtype=dtype,
+        torch_threads=torch_threads,
+        engine_args={"disable_log_stats": False},
+    )
+
+
+async def _run(model: str | None, kernels: Sequence[str], ablation: str | None, engine_config: dict, audit: dict, log):
     from stages.llm import LLMEngine
 
     runs, engines = [], {}
     for setting in kernels:
-        engine = LLMEngine(model, batch_invariant=(setting == "on"), disable_log_stats=False, **engine_kwargs)
-        label = setting
+        engine = LLMEngine(audit_config(model, setting, **engine_config))
         if ablation and setting == "on":
             # Deliberately off the supported path: revert one invariance setting after validation.
             engine.settings.args.update(ABLATIONS[ablation]["args"])
             engine.settings.environment.update(ABLATIONS[ablation]["env"])
         await engine.start()
-        log(f"[llm audit] engine kernels={label} started in {engine.startup_s} s")
+        log(f"[llm audit] engine kernels={setting} started in {engine.startup_s} s")
         try:
             runs += await audit_engine(
-                engine,
-                kernels=setting,
-                targets=targets,
-                batch_sizes=batch_sizes,
-                orderings=orderings,
-                samplings=samplings,
-                max_tokens=max_tokens,
-                ablation=ablation if setting == "on" else None,
-                log=log,
+                engine, kernels=setting, ablation=ablation if setting == "on" else None, log=log, **audit
             )
-            engines[setting] = engine.describe()
+            engines[setting] = engine.describe().model_dump(mode="json")
         finally:
             engine.shutdown()
     return runs, engines
@@ -272,11 +319,12 @@ def run_llm_audit(
     ablation: str | None = None,
     command: Sequence[str] | None = None,
     log=print,
-    **engine_kwargs: Any,
+    dtype: str = "float32",
+    torch_threads: int | None = None,
 ) -> dict:
     """Run the audit (starts one engine per kernel setting; call under `if __name__ == "__main__":`).
 
-    Returns {"runs": [...], "summary": {...}, "environment": {...}}.
+    Returns {"runs": [...], "summary": {...}, "environment": {...}}; `summary["invariant"]` is the verdict.
     """
     if any(size < 1 or size > 1 + len(NEIGHBOURS) for size in batch_sizes):
         raise ValueError(f"batch sizes must be in 1..{1 + len(NEIGHBOURS)}")
@@ -289,62 +337,13 @@ def run_llm_audit(
 
     started = time.time()
     env = environment(command)
-    runs, engines = asyncio.run(
-        _run(model, kernels, targets, batch_sizes, orderings, samplings, max_tokens, ablation, engine_kwargs, log)
-    )
+    audit = {"targets": targets, "batch_sizes": batch_sizes, "orderings": orderings, "samplings": samplings,
+             "max_tokens": max_tokens}
+    engine_config = {"dtype": dtype, "torch_threads": torch_threads}
+    runs, engines = asyncio.run(_run(model, kernels, ablation, engine_config, audit, log))
     # The model runs in vLLM's worker: its engine arguments and kernel reports, per setting.
     env["engines"] = engines
     env["seconds"] = round(time.time() - started, 1)
     summary = summarize(runs)
     summary["all_co_scheduled"] = all(r["co_scheduled"] in (None, r["batch_size"]) for r in runs)
     return {"runs": runs, "summary": summary, "environment": env}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The audit's options, for `python -m stages.audit.llm` and `omniserve audit --stage llm`."""
-    parser.add_argument("--json", metavar="PATH", help="write the full result here")
-    parser.add_argument("--markdown", metavar="PATH", help="write the evidence table here")
-    parser.add_argument("--model", default=None, help="local path, hub id, or embedded[:name] (default: embedded)")
-    parser.add_argument("--kernels", default="off,on", help="comma-separated: off,on")
-    parser.add_argument("--targets", default=",".join(TARGETS))
-    parser.add_argument("--batch-sizes", default="1,2,3,4,5,6,7,8")
-    parser.add_argument("--orderings", default=",".join(ORDERINGS))
-    parser.add_argument("--samplings", default=",".join(SAMPLINGS))
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--torch-threads", type=int, default=None, help="OpenMP threads of vLLM's CPU worker")
-    parser.add_argument("--ablation", choices=sorted(ABLATIONS), help="kernels on, one engine setting changed")
-    return parser
-
-
-def run(args: argparse.Namespace, command: Sequence[str] | None = None) -> int:
-    """Run from parsed options; exit status 1 when the switch failed to make the stage invariant."""
-    result = run_llm_audit(
-        args.model,
-        kernels=[k for k in args.kernels.split(",") if k],
-        targets=[t for t in args.targets.split(",") if t],
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b],
-        orderings=[o for o in args.orderings.split(",") if o],
-        samplings=[s for s in args.samplings.split(",") if s],
-        max_tokens=args.max_tokens,
-        ablation=args.ablation,
-        dtype=args.dtype,
-        torch_threads=args.torch_threads,
-        command=command,
-        log=lambda line: print(line, file=sys.stderr, flush=True),
-    )
-    from stages.audit.report import write_outputs
-
-    write_outputs(result, args.json, getattr(args, "markdown", None))
-    print(json.dumps(result["summary"], indent=2))
-    return 0 if result["summary"].get("invariant", True) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(prog="python -m stages.audit.llm", description=__doc__.split("\n")[0]))
-    args = parser.parse_args(argv)
-    return run(args, command=["python", "-m", "stages.audit.llm", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,21 +1,86 @@
-"""Embedded tiny models: real architectures with random weights, built locally from a fixed seed.
+"""Embedded tiny models: real architectures built locally from a fixed seed; the one registry of their ids.
 
-No model weights can be downloaded on the machines this project targets, so every test and the
-embedded default build small real-architecture models on first use, cache them under
-`cache_root()`, and reuse them. Building is deterministic: the same seed and library versions
-give the same weights.
+No model weights can be downloaded on the machines this project targets, so every test and the embedded
+default build small real-architecture models on first use, cache them under `contracts.envs.cache_root()`,
+and reuse them. Building is deterministic: the same seed and library versions give the same weights.
+
+    EMBEDDED_MODELS   id -> (stage, recipe): every embedded model, by the id a config or request names
+    DEFAULT_MODELS    the stage defaults (a config's `model: null`)
+    build_cached      the one cache builder: build aside, marker last, one atomic rename
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
+
+from contracts.envs import cache_root
+
+__all__ = ["DEFAULT_MODELS", "EMBEDDED_MODELS", "EmbeddedModel", "MARKER", "build_cached", "cache_root", "embedded_models"]
 
 
-def cache_root() -> Path:
-    """Where built models live: $OMNISERVE_CACHE, else $XDG_CACHE_HOME/omniserve, else ~/.cache/omniserve."""
-    explicit = os.environ.get("OMNISERVE_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "omniserve"
+@dataclass(frozen=True)
+class EmbeddedModel:
+    id: str
+    stage: Literal["llm", "diffusion"]
+    recipe: str  # diffusion: "unet" | "dit"; LLM: a TinyLlamaSpec name
+    default: bool = False  # the stage's model when its config says `model: null`
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    m.id: m
+    for m in (
+        EmbeddedModel("omniserve/tiny-sd-unet", "diffusion", "unet", default=True),
+        EmbeddedModel("omniserve/tiny-sd3-dit", "diffusion", "dit"),
+        EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama", default=True),
+        EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),
+    )
+}
+DEFAULT_MODELS = {m.stage: m.id for m in EMBEDDED_MODELS.values() if m.default}
+
+
+def embedded_models(stage: str) -> tuple[str, ...]:
+    """Every embedded model id of `stage`, the default first."""
+    ids = [m.id for m in EMBEDDED_MODELS.values() if m.stage == stage]
+    return tuple(sorted(ids, key=lambda i: i != DEFAULT_MODELS[stage]))
+
+
+#: Written last into a built directory: its presence means the build is complete.
+MARKER = "omniserve-built.json"
+
+
+def is_built(directory: Path) -> bool:
+    return (directory / MARKER).is_file()
+
+
+def build_cached(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
+    """`target`, built by `build(directory) -> record` on first use and reused after.
+
+    The build happens in a temporary directory beside the target; the record is written last as MARKER,
+    then one atomic rename: a concurrent process sees all of it or nothing. A directory without the marker
+    (a crash mid-build) is never trusted: it is replaced.
+    """
+    if is_built(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the cache from replicas running as another user
+    try:
+        record = build(staging)
+        (staging / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not is_built(target):  # a broken leftover, not a finished concurrent build: replace it
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(staging, target)
+            # else another process finished first; its build is identical, ours is discarded below.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -8,20 +8,19 @@ Shapes follow diffusers' own fast-test dummy components, except that both VAEs h
 downsample 8x like the real ones: a 256x256 image stays cheap (32x32 latents), and any height/width that
 is a multiple of 16 (VAE 8x times SD3's patch 2) works for both kinds.
 
-`tiny_pipeline_path(kind)` builds a pipeline once from a fixed seed, saves it under `cache_root()`
-and returns the directory; `load_tiny_pipeline(kind)` loads it from there with `from_pretrained`.
+Their model ids come from the registry (`stages.embedded.EMBEDDED_MODELS`, recipe = kind).
+`tiny_pipeline_path(kind)` builds a pipeline once from a fixed seed, saves it under `cache_root()` through
+`stages.embedded.build_cached` (its marker records the seed, versions and a weights fingerprint) and returns
+the directory; `load_tiny_pipeline(kind)` loads it from there with `from_pretrained`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
-import tempfile
 import threading
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import (
@@ -37,15 +36,15 @@ from diffusers import (
 from safetensors import safe_open
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from stages.embedded import cache_root
+from stages.embedded import EMBEDDED_MODELS, build_cached, cache_root
 
-KINDS = ("unet", "dit")
-MODEL_IDS = {"unet": "omniserve/tiny-sd-unet", "dit": "omniserve/tiny-sd3-dit"}
+#: Recipe ("unet" | "dit") -> model id, from the registry.
+MODEL_IDS = {m.recipe: m.id for m in EMBEDDED_MODELS.values() if m.stage == "diffusion"}
+KINDS = tuple(MODEL_IDS)
 
 SEED = 0
 # Bump when a recipe below changes: the cache directory name carries it, so old builds are never reused.
 RECIPE_VERSION = 1
-MARKER_FILE = "omniserve.json"
 LIBRARIES = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")
 MAX_PROMPT_TOKENS = 77
 
@@ -58,26 +57,7 @@ _ABSENT_COMPONENTS = {"unet": {}, "dit": {"text_encoder_3": None, "tokenizer_3":
 def tiny_pipeline_path(kind: str) -> Path:
     """The directory holding the built `kind` pipeline; builds it on first use, reuses it after."""
     target = cache_root() / f"{MODEL_IDS[_checked(kind)].replace('/', '--')}-v{RECIPE_VERSION}"
-    if _is_complete(target):
-        return target
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to the target, then one atomic rename: a concurrent replica sees all of it or nothing.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp's 0700 would hide the cache from replicas running as another user
-    try:
-        _build(kind).save_pretrained(staging)
-        _write_marker(staging, kind)
-        try:
-            os.rename(staging, target)
-        except OSError as error:
-            if not _is_complete(target):
-                message = f"cannot place the build at {target} (a directory without {MARKER_FILE}?)"
-                raise RuntimeError(message) from error
-            # Another process finished first; its build is identical, ours is discarded below.
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_cached(target, lambda directory: _save(kind, directory))
 
 
 def load_tiny_pipeline(kind: str, dtype: torch.dtype = torch.float32) -> DiffusionPipeline:
@@ -96,8 +76,17 @@ def _checked(kind: str) -> str:
     return kind
 
 
-def _is_complete(directory: Path) -> bool:
-    return (directory / MARKER_FILE).is_file()
+def _save(kind: str, directory: Path) -> dict[str, Any]:
+    """Build `kind` into `directory`; returns the record the cache keeps beside it (stages.embedded.MARKER)."""
+    _build(kind).save_pretrained(directory)
+    return {
+        "model_id": MODEL_IDS[kind],
+        "kind": kind,
+        "seed": SEED,
+        "recipe_version": RECIPE_VERSION,
+        "versions": {name: version(name) for name in LIBRARIES},
+        "weights_sha256": weights_fingerprint(directory),
+    }
 
 
 def _build(kind: str) -> DiffusionPipeline:
@@ -125,17 +114,7 @@ def _build_unet_pipeline() -> StableDiffusionPipeline:
         norm_num_groups=8,
     )
     _seeded(1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(32, 64, 64, 64),  # four levels: the 8x downsampling of the real SD VAE
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        scaling_factor=0.18215,
-    )
+    vae = _tiny_vae(latent_channels=4, scaling_factor=0.18215)
     _seeded(2)
     text_encoder = CLIPTextModel(_clip_config())
     # Stable Diffusion 1.x's own scheduler settings.
@@ -175,15 +154,8 @@ def _build_dit_pipeline() -> StableDiffusion3Pipeline:
         pos_embed_max_size=32,  # up to 32x32 patches: images up to 512x512
     )
     _seeded(1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(32, 64, 64, 64),
-        layers_per_block=1,
+    vae = _tiny_vae(
         latent_channels=16,  # what the SD3 transformer takes
-        norm_num_groups=8,
         use_quant_conv=False,
         use_post_quant_conv=False,
         shift_factor=0.0609,  # the SD3 VAE's latent normalisation
@@ -203,6 +175,20 @@ def _build_dit_pipeline() -> StableDiffusion3Pipeline:
         tokenizer_2=_byte_level_clip_tokenizer(),
         text_encoder_3=None,
         tokenizer_3=None,
+    )
+
+
+def _tiny_vae(**latent_layout: Any) -> AutoencoderKL:
+    """Both kinds' VAE: four levels, the 8x downsampling of the real SD VAEs; the latent layout differs."""
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(32, 64, 64, 64),
+        layers_per_block=1,
+        norm_num_groups=8,
+        **latent_layout,
     )
 
 
@@ -239,19 +225,6 @@ def _clip_config(projection_dim: int | None = None) -> CLIPTextConfig:
         pad_token_id=vocab["<|endoftext|>"],
         **extra,
     )
-
-
-def _write_marker(directory: Path, kind: str) -> None:
-    """Written last: its presence means the build in `directory` is complete."""
-    metadata = {
-        "model_id": MODEL_IDS[kind],
-        "kind": kind,
-        "seed": SEED,
-        "recipe_version": RECIPE_VERSION,
-        "versions": {name: version(name) for name in LIBRARIES},
-        "weights_sha256": weights_fingerprint(directory),
-    }
-    (directory / MARKER_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
 
 
 def weights_fingerprint(directory: Path) -> str:

@@ -3,27 +3,30 @@
 Nothing can be downloaded where this project runs, so the LLM stage's embedded default is built
 here on first use: a byte-level BPE tokenizer trained (with `tokenizers`) on a fixed corpus of
 prompt-writing words, and a `LlamaForCausalLM` whose weights come from `torch.manual_seed(seed)`.
-The result is a normal Hugging Face model directory that vLLM loads like any other.
+The result is a normal Hugging Face model directory that vLLM loads like any other. Builds go
+through `stages.embedded.build_cached` (atomic: concurrent first uses never see half a model); the
+registry (`stages.embedded.EMBEDDED_MODELS`) names them `embedded:<spec name>`.
 
-Builds are atomic (a temporary directory renamed into place, its marker written last), so
-concurrent first uses in several processes never see a half-written model.
+Random weights write no sensible free text, so the stage enhances a prompt with an embedded model
+through `StyleEnhancement`: a grammar picks "<style>, <lighting>[, <mood>]" from the vocabulary
+below, and the user's subject leads the revised prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
+from itertools import product
 from pathlib import Path
+from typing import Any
 
-from . import cache_root
+from contracts.sampling import LLMSamplingParams
+
+from . import build_cached, cache_root
 
 #: Bump when the build procedure changes, so old cached builds are not reused.
 BUILD_VERSION = 2
-MARKER = "omniserve-built.json"
 
 # Style vocabulary: the embedded default's structured output picks from these (see `STYLE_GRAMMAR`).
 STYLES = (
@@ -108,24 +111,13 @@ class TinyLlamaSpec:
 # vLLM's CPU attention takes head_dim 32/64/...; 64 is the smallest common one (16 is refused).
 #: The embedded default: small enough to start in seconds, wide enough (down projection K = 1408)
 #: that oneDNN computes a solo decode row differently from a co-batched one, so the audit's
-#: control varies (docs/llm_invariance_notes.md).
-TINY = TinyLlamaSpec(
-    name="tiny-llama",
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-)
+#: control varies (docs/invariance.md, the LLM evidence table).
+TINY = TinyLlamaSpec(name="tiny-llama", hidden_size=512, intermediate_size=1408,
+                     num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
 #: A wider check for the audit (`--model embedded:wide-llama`); its control varies too.
-WIDE = TinyLlamaSpec(
-    name="wide-llama",
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=2,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-)
+WIDE = TinyLlamaSpec(name="wide-llama", hidden_size=1024, intermediate_size=2816,
+                     num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8)
+#: By recipe name (the registry's `EmbeddedModel.recipe`).
 SPECS = {spec.name: spec for spec in (TINY, WIDE)}
 
 
@@ -139,26 +131,12 @@ def ensure_tiny_llama(spec: TinyLlamaSpec | str = TINY) -> Path:
         if spec not in SPECS:
             raise ValueError(f"unknown embedded LLM {spec!r}; expected one of {sorted(SPECS)}")
         spec = SPECS[spec]
-    final = model_dir(spec)
-    if (final / MARKER).is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        _build(spec, tmp)
-        record = {**asdict(spec), "build_version": BUILD_VERSION, "weights_sha256": weights_fingerprint(tmp)}
-        # The marker goes last: a directory without it is never trusted.
-        (tmp / MARKER).write_text(json.dumps(record, indent=2))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process won the race (or left a broken directory): trust only a marked one.
-            if not (final / MARKER).is_file():
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    def build(directory: Path) -> dict[str, Any]:
+        _build(spec, directory)
+        return {**asdict(spec), "build_version": BUILD_VERSION, "weights_sha256": weights_fingerprint(directory)}
+
+    return build_cached(model_dir(spec), build)
 
 
 def weights_fingerprint(directory: Path) -> str:
@@ -238,3 +216,39 @@ def _build(spec: TinyLlamaSpec, out: Path) -> None:
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
+
+
+# --- the stage's enhancement with an embedded model ---------------------------------------------
+
+#: Spare tokens past the longest grammar completion: the end-of-sequence token.
+_GRAMMAR_SLACK = 2
+
+
+def longest_style_completion() -> int:
+    """The longest string STYLE_GRAMMAR accepts, in bytes: any tokenization of it may go down to one byte per token."""
+    tails = ("", *(f", {mood}" for mood in MOODS))
+    return max(len(f"{s}, {l}{t}".encode()) for s, l, t in product(STYLES, LIGHTING, tails))
+
+
+#: Enough tokens for the grammar to finish whatever it picks.
+GRAMMAR_MAX_TOKENS = longest_style_completion() + _GRAMMAR_SLACK
+
+
+class StyleEnhancement:
+    """How the LLM stage enhances a prompt with an embedded model: a style picked by STYLE_GRAMMAR."""
+
+    structured_output = True
+
+    def sampling(self, params: LLMSamplingParams) -> tuple[LLMSamplingParams, dict[str, Any]]:
+        """The params the enhancement runs with, and the grammar for vLLM's structured output."""
+        from vllm.sampling_params import StructuredOutputsParams
+
+        # The grammar must be able to finish: enough tokens, no stop strings or forced length.
+        params = LLMSamplingParams.from_params(
+            params, max_tokens=max(params.max_tokens, GRAMMAR_MAX_TOKENS), min_tokens=0, stop=[]
+        )
+        return params, {"structured_outputs": StructuredOutputsParams(grammar=STYLE_GRAMMAR)}
+
+    def compose(self, prompt: str, completion: str) -> str:
+        # The grammar yields "<style>, <lighting>[, <mood>]"; the user's subject leads.
+        return f"{prompt.strip().rstrip(',.;')}, {completion}"

@@ -15,11 +15,12 @@ Usage:
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from contracts import envs
 
 from . import native
 from .native import CPU_OPS, CUDA_COVER_OPS, KernelBuildError
@@ -73,8 +74,7 @@ def _enable_cuda() -> KernelReport:
     except KernelBuildError as err:
         return KernelReport(False, "none", [], f"the convolution/group_norm cover could not be built: {err}")
     # vLLM's own code paths read this variable; keep it for restore.
-    _vllm_env_before = os.environ.get("VLLM_BATCH_INVARIANT")
-    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    _vllm_env_before = envs.assign("VLLM_BATCH_INVARIANT", "1")
     vllm_bi.init_batch_invariance()
     ops = native.install("CUDA", CUDA_COVER_OPS)
     _dispatch_key = "CUDA"
@@ -111,10 +111,7 @@ def disable_batch_invariant_kernels() -> None:
                 vllm_bi._batch_invariant_LIB._destroy()
             vllm_bi._batch_invariant_LIB = None
             vllm_bi._batch_invariant_MODE = False
-            if _vllm_env_before is None:
-                os.environ.pop("VLLM_BATCH_INVARIANT", None)
-            else:
-                os.environ["VLLM_BATCH_INVARIANT"] = _vllm_env_before
+            envs.assign("VLLM_BATCH_INVARIANT", _vllm_env_before)
         _dispatch_key = None
         _report = None
         _vllm_env_before = None

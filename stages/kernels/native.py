@@ -1,7 +1,7 @@
 """Build and load the C++ kernels (`blocked.cpp`), and install them on a dispatch key.
 
 The shared library is compiled on first use with the system's C++ compiler against the
-installed torch (about 10 s on 2 cores), cached under `cache_root()/kernels` with a name that
+installed torch (about 10 s on 2 cores), cached under `envs.cache_root()/kernels` with a name that
 hashes the source, the torch build and the command, and loaded with ctypes. It is a plain
 shared library, not a Python extension: it only registers aten kernels, through the
 `torch::Library` objects it owns, so removing them restores the stock kernels exactly.
@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from contracts import envs
 
 SOURCE = Path(__file__).with_name("blocked.cpp")
 #: Every op blocked.cpp can replace, and the subset vLLM's CUDA mode leaves out.
@@ -42,7 +44,7 @@ def _command(source: Path, output: Path) -> list[str]:
     root = Path(torch.__file__).parent
     includes, torch_lib = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include"), root / "lib"
     return [
-        os.environ.get("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC", "-w",
+        envs.read("CXX"), "-O2", "-std=c++20", "-shared", "-fPIC", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
         str(source), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-o", str(output),
@@ -51,13 +53,11 @@ def _command(source: Path, output: Path) -> list[str]:
 
 def library_path() -> Path:
     """Where the library for this source, torch build and compiler command lives."""
-    from stages.embedded import cache_root
-
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(_command(Path("SRC"), Path("OUT"))).encode())
-    return cache_root() / "kernels" / f"blocked-{digest.hexdigest()[:16]}.so"
+    return envs.cache_root() / "kernels" / f"blocked-{digest.hexdigest()[:16]}.so"
 
 
 def build() -> Path:

@@ -21,7 +21,7 @@ What it changes, and why:
   request's KV range into pieces sized from the whole step's workload, which changes the
   reduction order with the batch; it is turned off.
 The engine arguments invariance needs (eager execution; whole prefills, which CPU engines
-need anyway) are set by `stages.llm`. Evidence for each: docs/llm_invariance_notes.md.
+need anyway) are set by `stages.llm.settings`. Evidence for each: the ablations in docs/invariance.md.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any
+
+from contracts import envs
 
 #: Set to "1" in the environment of an engine's processes to make them batch invariant.
 SWITCH_ENV = "OMNISERVE_VLLM_CPU_INVARIANT"
@@ -45,7 +47,7 @@ def engine_environment(batch_invariant: bool) -> dict[str, str]:
 
 
 def switched_on(environ: Any = None) -> bool:
-    return (os.environ if environ is None else environ).get(SWITCH_ENV, "0") == "1"
+    return envs.read(SWITCH_ENV, environ)
 
 
 def register() -> None:
@@ -55,10 +57,10 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return  # CUDA engines use vLLM's own VLLM_BATCH_INVARIANT mode (see stages.llm)
+        return  # CUDA engines use vLLM's own VLLM_BATCH_INVARIANT mode (see stages.llm.settings)
     # The attention metadata builder reads this on every step; a value given explicitly
     # (the audit's split-kv ablation) is kept.
-    os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    envs.set_default("VLLM_CPU_ATTN_SPLIT_KV", "0")
     _patch_gemm_dispatch()
 
 
@@ -126,7 +128,7 @@ def process_report() -> dict:
         "pid": os.getpid(),
         "torch_threads": torch.get_num_threads(),
         "switch": switched_on(),
-        "attention_split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0",
+        "attention_split_kv": envs.read("VLLM_CPU_ATTN_SPLIT_KV"),
         "gemm_dispatch_patched": _state["patched"],
         "rerouted_linear_layers": len(_state["rerouted"]),
         "stock_gemm_layers": len(_state["kept"]),

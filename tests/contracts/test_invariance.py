@@ -66,12 +66,46 @@ def test_switch_false_spellings_are_stripped_and_case_insensitive(raw):
     assert resolve_batch_invariant("diffusion", environ={OWN["diffusion"]: raw}) is False
 
 
-@pytest.mark.parametrize("name", [OWN["llm"], GLOBAL])
+@pytest.mark.parametrize("name", [OWN["llm"], OWN["diffusion"]])
 @pytest.mark.parametrize("raw", ["", "  ", "2", "enable", "truee", "y"])
 def test_switch_invalid_value_raises_naming_variable_and_value(name, raw):
     with pytest.raises(ValueError) as err:
-        resolve_batch_invariant("llm", environ={name: raw})
+        resolve_batch_invariant("llm" if "LLM" in name else "diffusion", environ={name: raw})
     assert name in str(err.value) and repr(raw) in str(err.value)
+
+
+# What vLLM itself makes of its variable: the switch must agree, and refuse what vLLM refuses.
+VLLM_VALUES = ["0", "1", "2", "-1", " 1 ", "01", "+0", "1_0", "true", "on", "yes", "", "  ", "1.0", "0x1"]
+
+
+def _vllm_reads(value: str):
+    import os
+
+    from vllm import envs as vllm_envs
+
+    before = os.environ.get(GLOBAL)
+    os.environ[GLOBAL] = value
+    try:
+        return vllm_envs.environment_variables[GLOBAL]()
+    except ValueError:
+        return ValueError
+    finally:
+        if before is None:
+            os.environ.pop(GLOBAL)
+        else:
+            os.environ[GLOBAL] = before
+
+
+@pytest.mark.parametrize("raw", VLLM_VALUES)
+def test_global_switch_is_parsed_exactly_as_vllm_parses_it(raw):
+    pytest.importorskip("vllm")
+    expected = _vllm_reads(raw)
+    if expected is ValueError:
+        with pytest.raises(ValueError) as err:
+            resolve_batch_invariant("llm", environ={GLOBAL: raw})
+        assert GLOBAL in str(err.value) and repr(raw) in str(err.value)
+    else:
+        assert resolve_batch_invariant("llm", environ={GLOBAL: raw}) is expected
 
 
 def test_switch_stages_are_independent():

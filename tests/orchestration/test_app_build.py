@@ -10,30 +10,30 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from contracts.config import DiffusionStageConfig, LLMStageConfig
+from contracts.errors import InvalidRequestError
 from contracts.http import ChatCompletionRequest, ImageGenerationRequest
 from contracts.invariance import SeedContractError
-from contracts.errors import InvalidRequestError
 from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
-from orchestration.app import DEPLOYMENT_NAMES, app_builder, build_app
-from orchestration.config import AppConfig, ServingSettings
+from orchestration.app import app_builder, build_app
+from orchestration.config import DEPLOYMENT_NAMES, AppConfig
 from orchestration.pipeline import admit_chat, admit_images
 
 ROOT = Path(__file__).resolve().parents[2]
-SWITCH_VARIABLES = ("VLLM_BATCH_INVARIANT", "OMNI_LLM_BATCH_INVARIANT", "OMNI_DIFFUSION_BATCH_INVARIANT")
-
-
-@pytest.fixture
-def clean_switches(monkeypatch):
-    for name in SWITCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
 
 
 def bound(app):
-    """(ingress deployment, llm deployment, diffusion deployment, settings) of a built app."""
+    """(ingress deployment, llm deployment, diffusion deployment, the ingress's AppConfig) of a built app."""
     ingress = app._bound_deployment
-    llm_app, diffusion_app, settings = ingress.init_args
-    return ingress, llm_app._bound_deployment, diffusion_app._bound_deployment, settings
+    llm_app, diffusion_app, config = ingress.init_args
+    return ingress, llm_app._bound_deployment, diffusion_app._bound_deployment, config
+
+
+def stage_config(deployment):
+    """The one typed config a stage deployment was bound with."""
+    (config,) = deployment.init_args
+    assert not deployment.init_kwargs
+    return config
 
 
 # --- build_app ----------------------------------------------------------------------------------------
@@ -44,7 +44,8 @@ def test_example_app_imports_and_builds_on_embedded_defaults(clean_switches):
 
     ingress, llm, diffusion, settings = bound(example.app)
     assert (ingress.name, llm.name, diffusion.name) == tuple(DEPLOYMENT_NAMES[k] for k in ("ingress", "llm", "diffusion"))
-    assert llm.init_args == (None,) and diffusion.init_args == (None,)  # None: the embedded models
+    assert isinstance(stage_config(llm), LLMStageConfig) and isinstance(stage_config(diffusion), DiffusionStageConfig)
+    assert stage_config(llm).model is None and stage_config(diffusion).model is None  # None: the embedded models
     assert callable(example.app_builder)
 
 
@@ -68,34 +69,38 @@ def test_null_switches_are_resolved_from_the_environment_once_at_build_and_passe
     _, llm, diffusion, settings = bound(build_app())
     for name, value in environ.items():
         clean_switches.delenv(name)  # the replicas must not need the builder's environment
-    assert llm.init_kwargs["batch_invariant"] is expected["llm"]
-    assert diffusion.init_kwargs["batch_invariant"] is expected["diffusion"]
-    assert settings["batch_invariant"] == expected
+    assert stage_config(llm).batch_invariant is expected["llm"]
+    assert stage_config(diffusion).batch_invariant is expected["diffusion"]
+    assert settings.switches == expected
 
 
 def test_config_switches_override_the_environment(clean_switches):
     clean_switches.setenv("VLLM_BATCH_INVARIANT", "1")
     _, llm, diffusion, settings = bound(build_app({"llm": {"batch_invariant": False}, "diffusion": {"batch_invariant": True}}))
-    assert (llm.init_kwargs["batch_invariant"], diffusion.init_kwargs["batch_invariant"]) == (False, True)
-    assert settings["batch_invariant"] == {"llm": False, "diffusion": True}
+    assert (stage_config(llm).batch_invariant, stage_config(diffusion).batch_invariant) == (False, True)
+    assert settings.switches == {"llm": False, "diffusion": True}
 
 
-def test_stage_settings_reach_each_stage_constructor():
+def test_each_stage_receives_its_config_whole_and_serve_options_come_from_it():
     config = {
-        "llm": {"model": "/models/llm", "device": "cuda", "dtype": "bfloat16", "torch_threads": 4,
+        "llm": {"model": "/models/llm", "device": "cuda", "dtype": "bfloat16", "torch_threads": 4, "max_ongoing_requests": 7,
                 "ray_actor_options": {"num_gpus": 1}, "engine_args": {"tensor_parallel_size": 1}},
         "diffusion": {"model": "/models/sd", "max_batch_size": 4, "batch_wait_timeout_s": 0.2, "max_queued": 16,
-                      "defaults": {"num_inference_steps": 4}, "num_replicas": 3},
+                      "defaults": {"num_inference_steps": 4}, "num_replicas": 3, "health_check_period_s": 2},
     }
-    _, llm, diffusion, settings = bound(build_app(config))
-    assert llm.init_args == ("/models/llm",) and diffusion.init_args == ("/models/sd",)
-    assert llm.init_kwargs["device"] == "cuda" and llm.init_kwargs["dtype"] == "bfloat16"
-    assert llm.init_kwargs["tensor_parallel_size"] == 1 and llm.ray_actor_options["num_gpus"] == 1
-    kwargs = diffusion.init_kwargs
-    assert (kwargs["max_batch_size"], kwargs["batch_wait_timeout_s"], kwargs["max_queued"]) == (4, 0.2, 16)
-    assert kwargs["defaults"] == {"num_inference_steps": 4} and diffusion.num_replicas == 3
-    assert settings["configured_replicas"] == {"ingress": 1, "llm": 1, "diffusion": 3}
-    assert settings["model_aliases"]["diffusion"] == ["/models/sd", "diffusion"]
+    app = build_app(config)
+    ingress, llm, diffusion, settings = bound(app)
+    expected = AppConfig.model_validate(config)
+    for deployment, part in ((llm, "llm"), (diffusion, "diffusion")):
+        given = stage_config(deployment)
+        assert given.model_dump(exclude={"batch_invariant"}) == getattr(expected, part).model_dump(exclude={"batch_invariant"})
+    assert stage_config(llm).engine_args == {"tensor_parallel_size": 1} and llm.ray_actor_options["num_gpus"] == 1
+    # Serve's options are the config's, not a decorator's: nothing the config says is overridden.
+    assert llm.max_ongoing_requests == 7 and ingress.max_ongoing_requests == expected.ingress.max_ongoing_requests
+    assert diffusion.num_replicas == 3 and diffusion._deployment_config.health_check_period_s == 2
+    assert settings.diffusion.defaults.num_inference_steps == 4
+    assert {part: settings.deployment(part).configured_replicas for part in DEPLOYMENT_NAMES} == {
+        "ingress": 1, "llm": 1, "diffusion": 3}
 
 
 def test_autoscaling_config_replaces_num_replicas():
@@ -145,17 +150,13 @@ def test_example_yaml_is_a_valid_serve_config_scaling_the_stages_independently()
     assert (llm.num_replicas, diffusion.num_replicas) == (1, 2)
 
 
-def test_make_serve_runs_the_example_app():
-    makefile = (ROOT / "Makefile").read_text()
-    assert "serve run examples.omni_app:app" in makefile
-
-
 # --- admission: decided before any replica is called ----------------------------------------------
 
 
-def settings(llm=True, diffusion=True, **overrides) -> ServingSettings:
-    config = AppConfig.model_validate(overrides)
-    return ServingSettings.of(config, {"llm": llm, "diffusion": diffusion}, DEPLOYMENT_NAMES)
+def settings(llm=True, diffusion=True, **overrides) -> AppConfig:
+    overrides.setdefault("llm", {})["batch_invariant"] = llm
+    overrides.setdefault("diffusion", {})["batch_invariant"] = diffusion
+    return AppConfig.model_validate(overrides).with_resolved_switches()
 
 
 def image_request(**fields) -> ImageGenerationRequest:

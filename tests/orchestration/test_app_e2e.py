@@ -1,6 +1,6 @@
 """The whole app end to end: real Ray, Serve's HTTP proxy on a loopback port, vLLM, diffusers, tiny real models.
 
-Started the way the README shows (`serve.start` + `serve.run(build_app(config))`), once for the module:
+Started the way the README shows (`serve.run(build_app(config))` on the suite's Serve instance), once for the module:
   "/"     both switches on, LLM 1 replica, diffusion 2 replicas (co-batching, reproduction, bad inputs,
           the openai client, both replicas serving identical bytes)
   "/off"  both switches off, the LLM scaled to zero (enhance_prompt=false only), a one-slot diffusion
@@ -11,7 +11,6 @@ Nothing is mocked. Small images (64x64), 4 steps, bounded timeouts everywhere.
 import asyncio
 import base64
 import hashlib
-import socket
 import time
 
 import httpx
@@ -48,29 +47,19 @@ OFF = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server():
+def server(serve_instance):
     from orchestration import build_app
 
-    port = free_port()
-    # address="local": always a fresh Ray instance of our own, never someone else's cluster.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="omniserve-e2e")
+    started = time.monotonic()
+    serve.run(build_app(OFF), name="off", route_prefix="/off")
+    serve.run(build_app(MAIN), name="main", route_prefix="/")
+    print(f"apps running after {time.monotonic() - started:.1f} s")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        started = time.monotonic()
-        serve.run(build_app(OFF), name="off", route_prefix="/off")
-        serve.run(build_app(MAIN), name="main", route_prefix="/")
-        print(f"apps running after {time.monotonic() - started:.1f} s")
-        yield f"http://127.0.0.1:{port}"
+        yield serve_instance
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete("main")
+        serve.delete("off")
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +235,24 @@ def test_each_bad_image_input_gets_its_4xx_with_a_message(http, body, status, pa
 def test_malformed_json_is_400(http, raw):
     response = http.post("/v1/images/generations", content=raw, headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["message"]
+
+
+def test_a_json_body_not_declared_as_json_is_refused(http):
+    response = http.post("/v1/images/generations", content=b'{"prompt": "x", "seed": 1}', headers={"Content-Type": "text/plain"})
+    assert response.status_code == 400 and "application/json" in response.json()["error"]["message"]
+
+
+def test_openapi_documents_request_and_response_schemas(http):
+    spec = http.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, request, response in (("/v1/images/generations", "ImageGenerationRequest", "ImagesResponse"),
+                                    ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")):
+        operation = spec["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        assert operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + response)
+        assert operation["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert {"prompt", "seed", "n", "size"} <= set(schemas["ImageGenerationRequest"]["properties"])
+    assert {"b64_json", "seed", "sha256", "revised_prompt"} <= set(schemas["ImageData"]["properties"])
 
 
 def test_unknown_route_and_wrong_method_are_4xx_in_the_openai_shape(http):

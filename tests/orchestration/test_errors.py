@@ -8,12 +8,10 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
 
-from contracts.errors import InvalidRequestError, QueueFullError
-from contracts.http import ModelNotFoundError
+from contracts.errors import InvalidRequestError, ModelNotFoundError, QueueFullError
 from contracts.invariance import SeedContractError
 from contracts.sampling import DiffusionSamplingParams
 from orchestration.errors import http_error
-from stages.llm import LLMRequestError
 
 
 def from_replica(exc: Exception) -> Exception:
@@ -32,7 +30,7 @@ CLIENT_ERRORS = [
     (InvalidRequestError("height must be a multiple of 8", param="height"), 400, "height"),
     (ModelNotFoundError("no such model", param="model"), 404, "model"),
     (SeedContractError(["seed is required: pass an integer seed"], param="seed"), 400, "seed"),
-    (LLMRequestError("prompt is 2000 tokens", "prompt"), 400, "prompt"),
+    (InvalidRequestError("prompt is 2000 tokens", param="prompt"), 400, "prompt"),
     (validation_error(), 400, "seed"),
     (ValueError("bad value"), 400, None),
 ]
@@ -68,6 +66,11 @@ def test_routing_errors_keep_their_status_in_the_openai_shape():
 def test_server_failures_are_5xx_without_details():
     error = http_error(from_replica(RuntimeError("CUDA out of memory at 0xdeadbeef")))
     assert error.status == 500 and "deadbeef" not in error.message and error.type == "server_error"
+
+
+def test_seed_contract_error_keeps_its_code_across_ray():
+    error = http_error(from_replica(SeedContractError(["seed is required: pass an integer seed"], param="seed")))
+    assert (error.status, error.param, error.code) == (400, "seed", "seed_contract")
 
 
 def test_request_timeout_is_504():

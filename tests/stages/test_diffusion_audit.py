@@ -5,11 +5,15 @@ import json
 import pytest
 
 from orchestration.cli import main
-from stages.audit.diffusion import MODELS, audit_model, batches
+from stages.audit.diffusion import audit_model, batches
+from stages.embedded import embedded_models
 from stages.kernels import current_report
 
+UNET, DIT = embedded_models("diffusion")
 
-@pytest.mark.parametrize("model", MODELS)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [UNET, DIT])
 def test_diffusion_audit_kernels_on_bit_identical_and_control_differs(model):
     runs, examples = audit_model(
         model, batch_sizes=(1, 2, 5, 8), orderings=("first", "last", "shuffled", "mutated-neighbour"),
@@ -35,10 +39,11 @@ def test_diffusion_audit_arrangements_put_the_target_where_they_say():
     assert order[target][1] == 42 and len(set(seed for _, seed in order)) == 4
 
 
+@pytest.mark.slow
 def test_diffusion_audit_cli_writes_json_markdown_picture_and_exits_zero(tmp_path, capsys):
     paths = {name: tmp_path / name for name in ("audit.json", "audit.md", "audit.png")}
     status = main([
-        "audit", "--stage", "diffusion", "--model", "omniserve/tiny-sd3-dit", "--batch-sizes", "1,3",
+        "audit", "--stage", "diffusion", "--model", DIT, "--batch-sizes", "1,3",
         "--steps", "2", "--json", str(paths["audit.json"]), "--markdown", str(paths["audit.md"]),
         "--picture", str(paths["audit.png"]),
     ])

@@ -2,41 +2,38 @@
 
 Nothing is mocked: Ray, Serve, torch and diffusers run for real; the models are the embedded
 tiny UNet and SD3 pipelines. Every invariance check has its control (invariance off) showing
-that the same check can fail.
+that the same check can fail. Ray and Serve come from the session fixture `serve_instance`.
 """
 
 import concurrent.futures
 import hashlib
 
 import pytest
-import ray
 from ray import serve
 
+from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError, QueueFullError
+from contracts.results import RenderedImage, StageDescription
+from contracts.seeds import MAX_SAFE_SEED
 from stages.diffusion import DiffusionStage
+from stages.embedded import embedded_models
 
-UNET, DIT = "omniserve/tiny-sd-unet", "omniserve/tiny-sd3-dit"
+pytestmark = pytest.mark.slow
+
+UNET, DIT = embedded_models("diffusion")
 REQUESTS = [("a red fox in the snow", 42), ("a lighthouse at dusk", 7), ("two cats asleep", 99), ("a bowl of ramen", 1234)]
 STEPS = {"num_inference_steps": 3, "height": 64, "width": 64}
 TIMEOUT_S = 240
 
 
-@pytest.fixture(scope="module")
-def serve_instance():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="test-diffusion")
-    serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    try:
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-def deploy(name, model=UNET, *, batch_invariant=True, num_replicas=1, **stage_kwargs):
-    stage_kwargs.setdefault("batch_wait_timeout_s", 0.5)
-    app = DiffusionStage.options(
-        name=name, num_replicas=num_replicas, ray_actor_options={"num_cpus": 0.4},
-    ).bind(model, batch_invariant=batch_invariant, torch_threads=1, **stage_kwargs)
+def deploy(name, model=UNET, *, batch_invariant=True, num_replicas=1, **stage_options):
+    """One DiffusionStage app, bound the way the app binds it: Serve's options from the config."""
+    stage_options.setdefault("batch_wait_timeout_s", 0.5)
+    config = DiffusionStageConfig(
+        model=model, batch_invariant=batch_invariant, torch_threads=1,
+        num_replicas=num_replicas, ray_actor_options={"num_cpus": 0.4}, **stage_options,
+    )
+    app = DiffusionStage.options(name=name, **config.deployment_options()).bind(config)
     return serve.run(app, name=name, route_prefix=None)
 
 
@@ -67,18 +64,18 @@ def _solo_and_batched(handle):
 
 def test_diffusion_unet_cobatched_results_equal_their_solo_bytes(unet_invariant):
     solo, batched = _solo_and_batched(unet_invariant)
-    assert all(r["batch_size"] == 1 for r in solo)
-    assert max(r["batch_size"] for r in batched) > 1, "concurrent requests were not co-batched"
+    assert all(r.batch_size == 1 for r in solo)
+    assert max(r.batch_size for r in batched) > 1, "concurrent requests were not co-batched"
     for alone, together in zip(solo, batched):
-        assert together["png"] == alone["png"] and together["sha256"] == alone["sha256"]
+        assert together.png == alone.png and together.sha256 == alone.sha256
 
 
 def test_diffusion_dit_cobatched_results_equal_their_solo_bytes(serve_instance):
     handle = deploy("dit-invariant", DIT, max_batch_size=4)
     try:
         solo, batched = _solo_and_batched(handle)
-        assert max(r["batch_size"] for r in batched) > 1
-        assert [r["png"] for r in batched] == [r["png"] for r in solo]
+        assert max(r.batch_size for r in batched) > 1
+        assert [r.png for r in batched] == [r.png for r in solo]
     finally:
         serve.delete("dit-invariant")
 
@@ -89,9 +86,9 @@ def test_diffusion_control_invariance_off_cobatched_bytes_differ(serve_instance,
     handle = deploy(name, model, batch_invariant=False, max_batch_size=4)
     try:
         solo, batched = _solo_and_batched(handle)
-        assert max(r["batch_size"] for r in batched) > 1
-        assert not any(r["batch_invariant"] for r in batched)
-        assert any(b["png"] != a["png"] for a, b in zip(solo, batched)), "the check could not fail: control shows no variance"
+        assert max(r.batch_size for r in batched) > 1
+        assert not any(r.batch_invariant for r in batched)
+        assert any(b.png != a.png for a, b in zip(solo, batched)), "the check could not fail: control shows no variance"
     finally:
         serve.delete(name)
 
@@ -109,24 +106,30 @@ def test_diffusion_different_keys_never_share_a_batch(unet_invariant):
     }
     for name, responses in pending.items():
         results = [r.result(timeout_s=TIMEOUT_S) for r in responses]
-        assert all(r["batch_size"] <= len(groups[name]) for r in results), name
-    assert {r["height"] for r in results} == {64}
+        assert all(r.batch_size <= len(groups[name]) for r in results), name
+    assert {r.height for r in results} == {64}
 
 
 def test_diffusion_provenance_names_seed_hash_switch_backend_model_batch(unet_invariant):
     result = generate(unet_invariant, "a red fox in the snow", 42)
-    assert result["sha256"] == hashlib.sha256(result["png"]).hexdigest()
-    assert result["png"].startswith(b"\x89PNG")
-    assert result["seed"] == 42 and result["batch_invariant"] is True
-    assert result["kernel_backend"] == "cpu" and result["model"] == UNET
-    assert result["batch_size"] == 1 and result["replica"]
-    assert (result["height"], result["width"], result["num_inference_steps"]) == (64, 64, 3)
+    assert isinstance(result, RenderedImage)
+    assert result.sha256 == hashlib.sha256(result.png).hexdigest()
+    assert result.png.startswith(b"\x89PNG")
+    assert result.seed == 42 and result.batch_invariant is True
+    assert result.kernel_backend == "cpu" and result.model == UNET
+    assert result.batch_size == 1 and result.replica
+    assert (result.height, result.width, result.num_inference_steps) == (64, 64, 3)
 
 
-def test_diffusion_describe_reports_switch_and_installed_kernels(unet_invariant):
+def test_diffusion_describe_reports_switch_kernels_and_the_config_it_runs(unet_invariant):
     info = unet_invariant.describe.remote().result(timeout_s=60)
-    assert info["batch_invariant"] is True and info["kernels"]["installed"] is True
-    assert "aten::convolution" in info["kernels"]["ops"]
+    assert isinstance(info, StageDescription)
+    assert (info.stage, info.model, info.kernel_backend) == ("diffusion", UNET, "cpu")
+    assert info.batch_invariant is True and info.kernels["installed"] is True and info.running is True
+    assert "aten::convolution" in info.kernels["ops"]
+    assert info.details["batching"]["max_batch_size"] == 4 and info.details["batching"]["max_queued"] == 8
+    assert info.details["defaults"] == {"num_inference_steps": 8, "guidance_scale": 5.0, "height": 64, "width": 64}
+    assert (info.details["device"], info.details["torch_threads"]) == ("cpu", 1)
 
 
 # --- replicas and restarts ----------------------------------------------------------------------
@@ -139,7 +142,7 @@ def test_diffusion_two_replicas_and_a_restarted_replica_return_identical_bytes(s
         for _ in range(6):
             batch = concurrently(handle, [REQUESTS[0]] * 4)
             for r in batch:
-                seen.setdefault(r["replica"], set()).add(r["sha256"])
+                seen.setdefault(r.replica, set()).add(r.sha256)
             if len(seen) == 2:
                 break
         assert len(seen) == 2, f"only replicas {sorted(seen)} answered"
@@ -151,7 +154,7 @@ def test_diffusion_two_replicas_and_a_restarted_replica_return_identical_bytes(s
     restarted = deploy("restarted", max_batch_size=1)
     try:
         again = generate(restarted, *REQUESTS[0])
-        assert again["replica"] not in seen and again["sha256"] in hashes
+        assert again.replica not in seen and again.sha256 in hashes
     finally:
         serve.delete("restarted")
 
@@ -160,31 +163,34 @@ def test_diffusion_two_replicas_and_a_restarted_replica_return_identical_bytes(s
 
 
 @pytest.mark.parametrize(
-    "prompt,params,param",
+    "prompt,params,param,code",
     [
-        ("a fox", {"num_inference_steps": 2}, "seed"),  # seedless under invariance
-        ("a fox", {"seed": 1, "latents": [[[0.0]]]}, "latents"),
-        ("a fox", {"seed": 1, "sigmas": [1.0, 0.5]}, "sigmas"),
-        ("a fox", {"seed": 1, "generator_device": "cpu"}, "generator_device"),
-        ("a fox", {"seed": True}, "seed"),
-        ("a fox", {"seed": 2**64}, "seed"),
-        ("a fox", {"seed": 1, "height": 60}, "height"),
-        ("a fox", {"seed": 1, "height": 1024, "width": 1024}, "size"),
-        ("a fox", {"seed": 1, "num_images_per_prompt": 2}, "num_images_per_prompt"),
-        ("", {"seed": 1}, "prompt"),
-        (7, {"seed": 1}, "prompt"),
+        ("a fox", {"num_inference_steps": 2}, "seed", "seed_contract"),  # seedless under invariance
+        ("a fox", {"seed": 1, "latents": [[[0.0]]]}, "latents", "seed_contract"),
+        ("a fox", {"seed": 1, "sigmas": [1.0, 0.5]}, "sigmas", "seed_contract"),
+        ("a fox", {"seed": 1, "generator_device": "cpu"}, "generator_device", "seed_contract"),
+        ("a fox", {"seed": True}, "seed", "int_type"),
+        ("a fox", {"seed": 2**64}, "seed", "less_than_equal"),
+        ("a fox", {"seed": 1, "height": 60}, "height", "multiple_of"),
+        ("a fox", {"seed": 1, "height": 1024, "width": 1024}, "size", "out_of_range"),
+        ("a fox", {"seed": 1, "num_inference_steps": 51}, "num_inference_steps", "out_of_range"),
+        ("a fox", {"seed": 1, "num_images_per_prompt": 2}, "num_images_per_prompt", "extra_forbidden"),
+        ("a fox", [("seed", 1)], "params", "invalid_type"),
+        ("", {"seed": 1}, "prompt", "empty_prompt"),
+        (7, {"seed": 1}, "prompt", "string_type"),
     ],
 )
-def test_diffusion_bad_input_raises_typed_error_naming_the_field(unet_invariant, prompt, params, param):
+def test_diffusion_bad_input_raises_typed_error_naming_the_field(unet_invariant, prompt, params, param, code):
+    # The stage admits with contracts.admission: the field and code the ingress would give.
     with pytest.raises(InvalidRequestError) as err:
         unet_invariant.generate.remote(prompt, params).result(timeout_s=60)
-    assert err.value.param == param and err.value.message
+    assert (err.value.param, err.value.code) == (param, code) and err.value.message
 
 
 def test_diffusion_replica_survives_bad_input(unet_invariant):
     with pytest.raises(InvalidRequestError):
         unet_invariant.generate.remote("a fox", {}).result(timeout_s=60)
-    assert generate(unet_invariant, "a red fox in the snow", 42)["seed"] == 42
+    assert generate(unet_invariant, "a red fox in the snow", 42).seed == 42
 
 
 def test_diffusion_full_queue_rejects_clearly_and_serves_the_rest(unet_invariant):
@@ -204,12 +210,13 @@ def test_diffusion_seedless_request_without_invariance_gets_a_seed_that_reproduc
     handle = deploy("unet-plain", batch_invariant=False, max_batch_size=1)
     try:
         first = handle.generate.remote("a red fox", {**STEPS}).result(timeout_s=TIMEOUT_S)
-        assert isinstance(first["seed"], int) and first["batch_invariant"] is False
-        again = generate(handle, "a red fox", first["seed"])
-        assert again["sha256"] == first["sha256"]
+        assert first.batch_invariant is False
+        assert 0 <= first.seed <= MAX_SAFE_SEED  # the one seed picker: exact as a JSON number in any client
+        again = generate(handle, "a red fox", first.seed)
+        assert again.sha256 == first.sha256
         # Off, the caller's own generator device and sigmas are honoured (and keyed apart).
         custom = generate(handle, "a red fox", 5, generator_device="cpu", sigmas=[14.6, 5.0, 1.0])
-        assert custom["seed"] == 5
+        assert custom.seed == 5
     finally:
         serve.delete("unet-plain")
 
@@ -218,4 +225,4 @@ def test_diffusion_caller_seed_is_never_replaced(unet_invariant):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         seeds = [-(2**63), 0, 2**63, 2**64 - 1]
         results = list(pool.map(lambda s: generate(unet_invariant, "seed check", s), seeds))
-    assert [r["seed"] for r in results] == seeds
+    assert [r.seed for r in results] == seeds

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from stages.embedded import diffusion
-from stages.embedded.diffusion import KINDS, MARKER_FILE, load_tiny_pipeline, tiny_pipeline_path, weights_fingerprint
+from stages.embedded import EMBEDDED_MODELS, MARKER, diffusion, embedded_models
+from stages.embedded.diffusion import KINDS, MODEL_IDS, RECIPE_VERSION, SEED, load_tiny_pipeline, tiny_pipeline_path, weights_fingerprint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def marker(directory: Path) -> dict:
-    return json.loads((directory / MARKER_FILE).read_text())
+    return json.loads((directory / MARKER).read_text())
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,11 @@ def generate(pipe, prompt, seed, size=64, steps=2):
     return output.images
 
 
+def test_tiny_pipeline_kinds_are_the_registrys_diffusion_models():
+    assert {MODEL_IDS[kind] for kind in KINDS} == set(embedded_models("diffusion"))
+    assert all(EMBEDDED_MODELS[MODEL_IDS[kind]].recipe == kind for kind in KINDS)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_tiny_pipeline_build_is_deterministic_across_fresh_cache_roots(kind, tmp_path, monkeypatch):
     built = []
@@ -51,7 +56,9 @@ def test_tiny_pipeline_build_is_deterministic_across_fresh_cache_roots(kind, tmp
     assert marker(first)["weights_sha256"] == marker(second)["weights_sha256"]
     # The marker states what is on disk.
     assert weights_fingerprint(first) == marker(first)["weights_sha256"]
-    assert marker(first)["kind"] == kind
+    record = marker(first)
+    assert (record["kind"], record["model_id"], record["seed"], record["recipe_version"]) == (kind, MODEL_IDS[kind], SEED, RECIPE_VERSION)
+    assert {"torch", "diffusers", "transformers"} <= set(record["versions"])
 
 
 def test_tiny_pipeline_build_leaves_the_callers_global_rng_alone(tmp_path, monkeypatch):
@@ -67,14 +74,14 @@ def test_tiny_pipeline_build_leaves_the_callers_global_rng_alone(tmp_path, monke
 def test_tiny_pipeline_cache_is_reused_not_rebuilt(kind, tmp_path, monkeypatch):
     monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
     path = tiny_pipeline_path(kind)
-    written = (path / MARKER_FILE).stat().st_mtime_ns
+    written = (path / MARKER).stat().st_mtime_ns
 
     def refuse_to_build(kind):
         raise AssertionError("a complete build is present: nothing should be built")
 
     monkeypatch.setattr(diffusion, "_build", refuse_to_build)
     assert tiny_pipeline_path(kind) == path
-    assert (path / MARKER_FILE).stat().st_mtime_ns == written
+    assert (path / MARKER).stat().st_mtime_ns == written
     load_tiny_pipeline(kind)
 
 
@@ -87,15 +94,26 @@ def test_tiny_pipeline_build_that_loses_the_race_is_discarded(tmp_path, monkeypa
         monkeypatch.setattr(diffusion, "_build", build)
         # The other replica: its rename lands while we are still building.
         winner["path"] = tiny_pipeline_path(kind)
-        winner["marker_mtime"] = (winner["path"] / MARKER_FILE).stat().st_mtime_ns
+        winner["marker_mtime"] = (winner["path"] / MARKER).stat().st_mtime_ns
         return build(kind)
 
     monkeypatch.setattr(diffusion, "_build", build_while_another_replica_finishes_first)
     path = tiny_pipeline_path("dit")
     assert path == winner["path"]
-    assert (path / MARKER_FILE).stat().st_mtime_ns == winner["marker_mtime"]  # the winner's build, untouched
+    assert (path / MARKER).stat().st_mtime_ns == winner["marker_mtime"]  # the winner's build, untouched
     assert weights_fingerprint(path) == marker(path)["weights_sha256"]
     assert [entry.name for entry in tmp_path.iterdir()] == [path.name]  # no staging directory left behind
+
+
+def test_tiny_pipeline_leftover_of_a_crashed_build_is_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
+    target = tmp_path / f"{MODEL_IDS['unet'].replace('/', '--')}-v{RECIPE_VERSION}"
+    target.mkdir()
+    (target / "half-written.safetensors").write_bytes(b"")  # no marker: a build that died midway
+    assert tiny_pipeline_path("unet") == target
+    assert not (target / "half-written.safetensors").exists()
+    assert weights_fingerprint(target) == marker(target)["weights_sha256"]
+    assert [entry.name for entry in tmp_path.iterdir()] == [target.name]
 
 
 @pytest.mark.slow

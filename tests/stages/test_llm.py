@@ -1,8 +1,7 @@
-"""The LLM stage without a running engine: embedded model, engine settings, plugin, request checks, audit helpers."""
+"""The LLM stage without a running engine: embedded model and its enhancement, engine settings, plugin, audit helpers."""
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -10,37 +9,22 @@ from pathlib import Path
 import pytest
 
 from contracts import LLMSamplingParams
+from contracts.config import LLMStageConfig
+from contracts.results import Generation
 from stages.audit.llm import NEIGHBOURS, batch_orders, count_differences
+from stages.embedded import EMBEDDED_MODELS, MARKER, embedded_models
 from stages.embedded import llm as embedded
 from stages.kernels import vllm_cpu
-from stages.llm import (
-    INVARIANT_CPU_ENGINE_ARGS,
-    LLMRequestError,
-    ModelChoice,
-    _messages,
-    _params,
-    engine_settings,
-    resolve_model,
-    spawn_environment,
-)
+from stages.llm import INVARIANT_CPU_ENGINE_ARGS, LLMEngine, ModelChoice, engine_settings, resolve_model
+from stages.llm.requests import DEFAULT_SYSTEM_PROMPT, FreeRewrite, LLMRequests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHOICE = ModelChoice("/models/tiny", "embedded:tiny-llama", True)
 
 
-def settings(batch_invariant, device="cpu", **overrides):
-    return engine_settings(
-        CHOICE,
-        batch_invariant=batch_invariant,
-        device=device,
-        dtype="float32",
-        max_model_len=1024,
-        max_num_seqs=8,
-        kv_cache_gib=None,
-        gpu_memory_utilization=None,
-        torch_threads=None,
-        overrides=overrides,
-    )
+def settings(batch_invariant, device="cpu", torch_threads=None, **engine_args):
+    config = LLMStageConfig(batch_invariant=batch_invariant, device=device, torch_threads=torch_threads, engine_args=engine_args)
+    return engine_settings(config, CHOICE)
 
 
 # --- the embedded model -------------------------------------------------------------------
@@ -53,7 +37,7 @@ def test_llm_embedded_build_is_deterministic_across_fresh_cache_roots(tmp_path, 
         built.append(embedded.ensure_tiny_llama())
     first, second = built
     assert first != second
-    marks = [json.loads((d / embedded.MARKER).read_text()) for d in built]
+    marks = [json.loads((d / MARKER).read_text()) for d in built]
     assert marks[0]["weights_sha256"] == marks[1]["weights_sha256"] == embedded.weights_fingerprint(first)
     config = json.loads((first / "config.json").read_text())
     # vLLM's CPU attention refuses head_dim 16; 64 is what the embedded models use.
@@ -66,7 +50,7 @@ def test_llm_embedded_build_is_reused_and_an_unmarked_directory_is_never_trusted
     target.mkdir(parents=True)
     (target / "config.json").write_text("half-written")
     built = embedded.ensure_tiny_llama()
-    assert built == target and (built / embedded.MARKER).is_file()
+    assert built == target and (built / MARKER).is_file()
     stamp = (built / "model.safetensors").stat().st_mtime_ns
     assert embedded.ensure_tiny_llama() == built
     assert (built / "model.safetensors").stat().st_mtime_ns == stamp
@@ -83,7 +67,7 @@ def test_llm_embedded_concurrent_first_builds_agree(tmp_path):
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
     paths = {out.strip().splitlines()[-1] for out, _ in outputs}
-    assert len(paths) == 1 and (Path(paths.pop()) / embedded.MARKER).is_file()
+    assert len(paths) == 1 and (Path(paths.pop()) / MARKER).is_file()
 
 
 def test_llm_embedded_tokenizer_chat_template_and_any_text_round_trip(tmp_path, monkeypatch):
@@ -107,6 +91,28 @@ def test_llm_style_grammar_accepts_style_phrases_only():
     assert _is_grammar_accept_string(grammar, "ink wash, moonlight, dreamy")
     assert not _is_grammar_accept_string(grammar, "watercolor")
     assert not _is_grammar_accept_string(grammar, "free text of any kind")
+
+
+def test_llm_embedded_enhancement_leaves_the_grammar_room_to_finish_and_keeps_the_seed():
+    phrases = (f"{s}, {l}, {m}" for s in embedded.STYLES for l in embedded.LIGHTING for m in embedded.MOODS)
+    longest = max(phrases, key=lambda phrase: len(phrase.encode()))
+    # One byte per token at worst, plus the end of sequence.
+    assert embedded.GRAMMAR_MAX_TOKENS > len(longest.encode())
+    asked = LLMSamplingParams(seed=5, temperature=0.8, max_tokens=4, min_tokens=2, stop=["."], logprobs=1)
+    params, extra = embedded.StyleEnhancement().sampling(asked)
+    assert (params.max_tokens, params.min_tokens, params.stop) == (embedded.GRAMMAR_MAX_TOKENS, 0, [])
+    assert (params.seed, params.temperature, params.logprobs) == (5, 0.8, 1)
+    assert extra["structured_outputs"].grammar == embedded.STYLE_GRAMMAR
+    longer = LLMSamplingParams(seed=5, max_tokens=200)
+    assert embedded.StyleEnhancement().sampling(longer)[0].max_tokens == 200
+
+
+def test_llm_embedded_enhancement_puts_the_users_subject_first():
+    compose = embedded.StyleEnhancement().compose
+    assert compose("  a red fox in the snow. ", "watercolor, moonlight") == "a red fox in the snow, watercolor, moonlight"
+    # A real model's rewrite replaces the prompt; an empty one keeps it.
+    assert FreeRewrite().compose(" a fox ", "a fox at dawn, oil painting") == "a fox at dawn, oil painting"
+    assert FreeRewrite().compose(" a fox ", "") == "a fox"
 
 
 # --- engine settings: where the switch becomes vLLM configuration --------------------------
@@ -149,28 +155,42 @@ def test_llm_override_that_breaks_invariance_is_refused():
 def test_llm_kv_cache_is_small_by_default_and_configurable():
     assert settings(False).args["kv_cache_memory_bytes"] == 256 << 20
     assert "gpu_memory_utilization" not in settings(False).args
-    with pytest.raises(ValueError, match="not both"):
-        engine_settings(
-            CHOICE, batch_invariant=False, device="cpu", dtype="float32", max_model_len=64, max_num_seqs=1,
-            kv_cache_gib=1, gpu_memory_utilization=0.5, torch_threads=None, overrides={},
-        )
+    config = LLMStageConfig(batch_invariant=False, kv_cache_gib=1.5)
+    assert engine_settings(config, CHOICE).args["kv_cache_memory_bytes"] == 3 << 29
+    utilization = engine_settings(LLMStageConfig(batch_invariant=False, gpu_memory_utilization=0.5), CHOICE).args
+    assert utilization["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in utilization
 
 
-def test_llm_spawn_environment_is_restored_exactly(monkeypatch):
-    monkeypatch.setenv("OMNISERVE_TEST_KEEP", "before")
-    monkeypatch.delenv("OMNISERVE_TEST_NEW", raising=False)
-    with spawn_environment({"OMNISERVE_TEST_KEEP": "during", "OMNISERVE_TEST_NEW": "x"}):
-        assert os.environ["OMNISERVE_TEST_KEEP"] == "during" and os.environ["OMNISERVE_TEST_NEW"] == "x"
-    assert os.environ["OMNISERVE_TEST_KEEP"] == "before" and "OMNISERVE_TEST_NEW" not in os.environ
+def test_llm_torch_threads_size_the_workers_openmp_pool_without_core_binding():
+    env = settings(True, torch_threads=1).environment
+    assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "OMP_NUM_THREADS" not in settings(True).environment
+
+
+def test_llm_engine_settings_come_from_the_config_whole():
+    config = LLMStageConfig(batch_invariant=False, dtype="bfloat16", max_model_len=4096, max_num_seqs=3,
+                            engine_args={"tensor_parallel_size": 1})
+    args = engine_settings(config, CHOICE).args
+    assert (args["model"], args["dtype"], args["max_model_len"], args["max_num_seqs"]) == ("/models/tiny", "bfloat16", 4096, 3)
+    assert args["max_num_batched_tokens"] == 4096 and args["tensor_parallel_size"] == 1
+    with pytest.raises(ValueError, match="resolve the LLM switch"):
+        engine_settings(LLMStageConfig(), CHOICE)
 
 
 def test_llm_model_resolution_embedded_default_and_pass_through(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
     default = resolve_model(None)
     assert default.embedded and default.name == "embedded:tiny-llama" and Path(default.path).is_dir()
+    assert resolve_model("embedded") == resolve_model("embedded:tiny-llama") == default
     assert resolve_model("org/some-instruct-model") == ModelChoice("org/some-instruct-model", "org/some-instruct-model", False)
     with pytest.raises(ValueError, match="unknown embedded"):
         resolve_model("embedded:nope")
+
+
+def test_llm_every_embedded_llm_in_the_registry_has_a_recipe():
+    ids = embedded_models("llm")
+    assert ids[0] == "embedded:tiny-llama" and len(ids) >= 2
+    assert all(EMBEDDED_MODELS[i].recipe in embedded.SPECS for i in ids)
 
 
 # --- the vLLM plugin, inside a fresh process like vLLM's own --------------------------------
@@ -212,8 +232,13 @@ def test_llm_plugin_reroutes_vllm_cpu_linear_through_the_invariant_kernels():
 def test_llm_plugin_control_stock_vllm_cpu_linear_varies_with_rows_and_is_left_alone():
     off = _probe("0")
     assert not off["report"]["gemm_dispatch_patched"] and not off["report"]["kernels"]["installed"]
-    # The control: without the plugin, vLLM's oneDNN GEMM gives the same row different bits.
-    assert not off["equal"]
+    # The control: without the plugin, vLLM's GEMM may give the same row different bits. Whether it does
+    # depends on the CPU (oneDNN's kernel choice); where it does not, this check proves nothing, and says so.
+    if off["equal"]:
+        pytest.skip(
+            f"measured: stock vLLM CPU linear (K=2816, N=1024, {off['report']['torch_threads']} thread(s)) gave "
+            "row 0 the same bits for 1..8 rows on this CPU, so the control does not vary here"
+        )
 
 
 def test_llm_plugin_is_registered_as_a_vllm_general_plugin():
@@ -223,59 +248,46 @@ def test_llm_plugin_is_registered_as_a_vllm_general_plugin():
     assert "stages.kernels.vllm_cpu:register" in values
 
 
-# --- request checks -------------------------------------------------------------------------
+# --- the engine and its requests, before start -----------------------------------------------
 
 
-def test_llm_request_error_survives_pickling_with_its_field():
-    err = pickle.loads(pickle.dumps(LLMRequestError("messages[0].role must be one of ...", "messages.0.role")))
-    assert isinstance(err, ValueError) and err.param == "messages.0.role" and "role" in str(err)
+def test_llm_engine_resolves_the_switch_once_and_describes_itself_before_start(clean_switches):
+    clean_switches.setenv("OMNI_LLM_BATCH_INVARIANT", "1")
+    engine = LLMEngine({"model": "org/some-instruct-model", "torch_threads": 2})
+    assert engine.batch_invariant is True and engine.config.batch_invariant is True
+    assert engine.settings.args["enforce_eager"] is True
+    info = engine.describe()
+    assert (info.stage, info.model, info.batch_invariant, info.running, info.kernels) == (
+        "llm", "org/some-instruct-model", True, False, []
+    )
+    assert info.details["model_path"] == "org/some-instruct-model" and not info.details["embedded"]
+    assert "model" not in info.details["engine_args"] and info.details["startup_s"] is None
+    assert LLMEngine({"model": "org/m", "batch_invariant": False}).batch_invariant is False
 
 
-@pytest.mark.parametrize(
-    "params, param",
-    [
-        ({"temperature": 3.0}, "temperature"),
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"seed": True}, "seed"),
-        ({"unknown": 1}, "unknown"),
-    ],
-)
-def test_llm_bad_sampling_params_raise_a_typed_error_naming_the_field(params, param):
-    with pytest.raises(LLMRequestError) as err:
-        _params(params)
-    assert err.value.param == param
+def test_llm_requests_on_an_engine_that_is_not_started_are_refused():
+    import asyncio
 
-
-def test_llm_sampling_params_pass_through_unchanged():
-    params = LLMSamplingParams(seed=3, temperature=0.7, max_tokens=5)
-    assert _params(params) is params
-    assert _params({"seed": 3, "temperature": 0.7, "max_tokens": 5}) == params
-
-
-@pytest.mark.parametrize(
-    "messages, param",
-    [
-        ([], "messages"),
-        ("hello", "messages"),
-        ([{"role": "robot", "content": "hi"}], "messages.0.role"),
-        ([{"role": "user", "content": 3}], "messages.0.content"),
-        (["hi"], "messages.0"),
-    ],
-)
-def test_llm_bad_messages_raise_a_typed_error_naming_the_field(messages, param):
-    with pytest.raises(LLMRequestError) as err:
-        _messages(messages)
-    assert err.value.param == param
+    requests = LLMRequests(LLMEngine(LLMStageConfig(model="org/some-instruct-model", batch_invariant=False)))
+    assert requests.system_prompt == DEFAULT_SYSTEM_PROMPT and isinstance(requests.policy, FreeRewrite)
+    with pytest.raises(RuntimeError, match="not started"):
+        asyncio.run(requests.enhance("a cat", {"seed": 1}))
+    with pytest.raises(RuntimeError, match="not started"):
+        asyncio.run(requests.chat([{"role": "user", "content": "hi"}], {"seed": 1}))
 
 
 # --- audit helpers --------------------------------------------------------------------------
 
 
+def generation(token_ids, top_logprobs) -> Generation:
+    return Generation(text="", token_ids=token_ids, logprobs=[], top_logprobs=top_logprobs, finish_reason="stop")
+
+
 def test_llm_audit_counts_differing_tokens_and_logprobs():
-    ref = {"token_ids": [1, 2], "top_logprobs": [[[1, -0.5], [3, -1.0]], [[2, -0.25]]]}
-    same = json.loads(json.dumps(ref))
+    ref = generation([1, 2], [[(1, -0.5), (3, -1.0)], [(2, -0.25)]])
+    same = Generation.model_validate_json(ref.model_dump_json())
     assert count_differences(ref, same) == (0, 0, 5)
-    other = {"token_ids": [1, 4], "top_logprobs": [[[1, -0.5], [3, -1.0000001]], [[4, -0.25]]]}
+    other = generation([1, 4], [[(1, -0.5), (3, -1.0000001)], [(4, -0.25)]])
     assert count_differences(ref, other) == (1, 3, 5)
 
 

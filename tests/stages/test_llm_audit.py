@@ -1,7 +1,6 @@
-"""The LLM audit end to end, small: real engines, the control varies, the switch makes it vanish."""
+"""The LLM audit end to end, small, through the one CLI: real engines, the control varies, the switch makes it vanish."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,17 +13,16 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def audit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("llm-audit")
+    path = tmp_path_factory.mktemp("llm-audit") / "audit.json"
     command = [
-        sys.executable, "-m", "stages.audit.llm", "--json", str(out / "audit.json"),
+        sys.executable, "-m", "orchestration.cli", "audit", "--stage", "llm", "--json", str(path),
         "--targets", "short", "--batch-sizes", "1,3", "--orderings", "target-first,target-last",
         "--samplings", "seeded",
     ]
     # A process of its own: vLLM spawns processes and edits the environment of the one that starts it.
-    env = {**os.environ, "OMNISERVE_CACHE": str(out / "cache")}
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((out / "audit.json").read_text())
+    return json.loads(path.read_text())
 
 
 def test_llm_audit_control_varies_and_the_switch_makes_every_run_identical(audit):
@@ -46,5 +44,8 @@ def test_llm_audit_runs_and_environment_have_the_shared_shape(audit):
     }
     env = audit["environment"]
     assert {"hardware", "versions", "command", "engines"} <= set(env)
-    assert env["engines"]["on"]["kernels"][0]["kernels"]["installed"]
-    assert not env["engines"]["off"]["kernels"][0]["kernels"]["installed"]
+    on, off = env["engines"]["on"], env["engines"]["off"]
+    assert on["stage"] == "llm" and on["batch_invariant"] and not off["batch_invariant"]
+    assert on["kernels"][0]["kernels"]["installed"] and not off["kernels"][0]["kernels"]["installed"]
+    # Log stats on: the audit reads when each request was first scheduled.
+    assert on["details"]["engine_args"]["disable_log_stats"] is False

@@ -5,12 +5,14 @@ import re
 import time
 
 import pytest
-import ray
 from ray import serve
 
 from contracts import SeedContractError
+from contracts.config import LLMStageConfig
+from contracts.errors import InvalidRequestError
+from contracts.results import Completion, RevisedPrompt, StageDescription
 from stages.embedded.llm import LIGHTING, MOODS, STYLES, ensure_tiny_llama
-from stages.llm import LLMRequestError, LLMStage
+from stages.llm import LLMStage
 
 pytestmark = pytest.mark.slow
 
@@ -20,36 +22,14 @@ WELL_FORMED = re.compile(
 )
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("omniserve-cache"))
-
-
-@pytest.fixture(scope="module")
-def serve_instance(cache):
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        namespace="test-llm",
-        runtime_env={"env_vars": {"OMNISERVE_CACHE": cache}},
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    try:
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-def deploy(name: str, **kwargs):
-    app = LLMStage.options(name=name, ray_actor_options={"num_cpus": 0.5}).bind(**kwargs)
+def deploy(name: str, config: LLMStageConfig):
+    app = LLMStage.options(name=name, **config.deployment_options()).bind(config)
     return serve.run(app, name=name, route_prefix=None)
 
 
 @pytest.fixture(scope="module")
 def invariant(serve_instance):
-    yield deploy("llm-invariant", batch_invariant=True)
+    yield deploy("llm-invariant", LLMStageConfig(batch_invariant=True, ray_actor_options={"num_cpus": 0.5}))
     serve.delete("llm-invariant")
 
 
@@ -69,8 +49,8 @@ async def under_load(handle, load: list, target):
     return mine, ended
 
 
-def provenance(result: dict) -> tuple:
-    return result["revised_prompt"], result["token_ids"], result["logprobs"], result["top_logprobs"]
+def provenance(result: RevisedPrompt) -> tuple:
+    return result.revised_prompt, result.token_ids, result.logprobs, result.top_logprobs
 
 
 def chat_load(n: int, max_tokens: int, greedy: bool) -> list:
@@ -90,7 +70,8 @@ def chat_load(n: int, max_tokens: int, greedy: bool) -> list:
 
 def test_llm_seeded_request_is_identical_solo_and_across_co_batched_load(invariant):
     solo = invariant.enhance.remote(*TARGET).result(timeout_s=120)
-    assert solo["batch_invariant"] and solo["kernel_backend"] == "cpu"
+    assert isinstance(solo, RevisedPrompt)
+    assert solo.batch_invariant and solo.kernel_backend == "cpu"
     for load in (chat_load(7, 200, greedy=False), chat_load(5, 160, greedy=True)):
         mine, ended = asyncio.run(under_load(invariant, load, TARGET))
         # Continuous batching: every request still running shares each engine step with the target.
@@ -100,19 +81,19 @@ def test_llm_seeded_request_is_identical_solo_and_across_co_batched_load(invaria
     assert provenance(again) == provenance(solo)
 
 
-def test_llm_control_without_invariance_differs_under_load(serve_instance, cache, monkeypatch):
+def test_llm_control_without_invariance_differs_under_load(serve_instance):
     # A configured local path (not "embedded"): the free rewrite through the chat template.
-    monkeypatch.setenv("OMNISERVE_CACHE", cache)
     path = str(ensure_tiny_llama())
-    plain = deploy("llm-plain", model=path, batch_invariant=False, system_prompt="Rewrite the prompt.")
+    config = LLMStageConfig(model=path, batch_invariant=False, system_prompt="Rewrite the prompt.")
+    plain = deploy("llm-plain", config)
     try:
         solo = plain.enhance.remote(*TARGET).result(timeout_s=120)
-        assert not solo["batch_invariant"] and solo["kernel_backend"] == "none"
-        assert not solo["structured_output"] and solo["model"] == path
-        assert isinstance(solo["revised_prompt"], str) and solo["revised_prompt"]
+        assert not solo.batch_invariant and solo.kernel_backend == "none"
+        assert not solo.structured_output and solo.model == path
+        assert solo.revised_prompt
         mine, _ = asyncio.run(under_load(plain, chat_load(7, 200, greedy=False), TARGET))
         # The control: stock vLLM CPU kernels change the target's logprobs when it is co-batched.
-        assert mine["logprobs"] != solo["logprobs"] or mine["top_logprobs"] != solo["top_logprobs"]
+        assert mine.logprobs != solo.logprobs or mine.top_logprobs != solo.top_logprobs
     finally:
         serve.delete("llm-plain")
 
@@ -120,40 +101,44 @@ def test_llm_control_without_invariance_differs_under_load(serve_instance, cache
 def test_llm_enhancement_is_well_formed_prompt_text(invariant):
     for seed in range(5):
         result = invariant.enhance.remote("a red fox in the snow.", {"seed": seed, "temperature": 1.0}).result(timeout_s=120)
-        match = WELL_FORMED.match(result["revised_prompt"])
-        assert match, result["revised_prompt"]
+        match = WELL_FORMED.match(result.revised_prompt)
+        assert match, result.revised_prompt
         assert match["subject"] == "a red fox in the snow"
-        assert result["finish_reason"] == "stop" and result["structured_output"]
-        assert len(result["logprobs"]) == len(result["token_ids"]) > 0
-        assert result["seed"] == seed and result["model"] == "embedded:tiny-llama"
+        assert result.finish_reason == "stop" and result.structured_output
+        assert len(result.logprobs) == len(result.token_ids) > 0
+        assert result.seed == seed and result.model == "embedded:tiny-llama"
+        assert result.params.seed == seed and result.top_logprobs is None
 
 
 def test_llm_greedy_enhancement_needs_no_seed_under_invariance(invariant):
     first = invariant.enhance.remote("a boat", {"temperature": 0.0}).result(timeout_s=120)
     second = invariant.enhance.remote("a boat", {"temperature": 0.0}).result(timeout_s=120)
-    assert first["seed"] is None and provenance(first) == provenance(second)
+    assert first.seed is None and provenance(first) == provenance(second)
 
 
 def test_llm_chat_returns_text_tokens_logprobs_and_usage(invariant):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "describe a lighthouse"}]
     result = invariant.chat.remote(messages, {"seed": 7, "max_tokens": 6, "logprobs": 2}).result(timeout_s=120)
-    assert set(result) >= {"text", "token_ids", "logprobs", "top_logprobs", "finish_reason", "usage"}
-    assert isinstance(result["text"], str) and result["finish_reason"] in ("length", "stop")
-    usage = result["usage"]
-    assert usage["completion_tokens"] == len(result["token_ids"]) == len(result["logprobs"]) <= 6
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert all(len(step) >= 2 for step in result["top_logprobs"])
+    assert isinstance(result, Completion)
+    assert isinstance(result.text, str) and result.finish_reason in ("length", "stop")
+    usage = result.usage
+    assert usage.completion_tokens == len(result.token_ids) == len(result.logprobs) <= 6
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert all(len(step) >= 2 for step in result.top_logprobs)
     again = invariant.chat.remote(messages, {"seed": 7, "max_tokens": 6, "logprobs": 2}).result(timeout_s=120)
-    assert (again["token_ids"], again["logprobs"]) == (result["token_ids"], result["logprobs"])
+    assert (again.token_ids, again.logprobs) == (result.token_ids, result.logprobs)
 
 
 def test_llm_describe_reports_the_switch_and_kernels_installed_in_the_vllm_worker(invariant):
     info = invariant.describe.remote().result(timeout_s=60)
-    assert info["batch_invariant"] and info["kernel_backend"] == "cpu" and info["running"]
-    (worker,) = info["kernels"]
+    assert isinstance(info, StageDescription) and info.stage == "llm"
+    assert info.batch_invariant and info.kernel_backend == "cpu" and info.running
+    (worker,) = info.kernels
     assert worker["kernels"]["installed"] and worker["gemm_dispatch_patched"]
     assert worker["rerouted_linear_layers"] > 0 and not worker["attention_split_kv"]
-    assert info["engine_args"]["enable_chunked_prefill"] is False
+    # The config's torch_threads (1) reaches vLLM's worker.
+    assert worker["torch_threads"] == 1
+    assert info.details["engine_args"]["enable_chunked_prefill"] is False and info.details["embedded"]
 
 
 def _raised(call) -> BaseException:
@@ -166,15 +151,18 @@ def _raised(call) -> BaseException:
     "method, args, kind, param",
     [
         ("enhance", ("a cat", {"temperature": 1.0}), SeedContractError, "seed"),
-        ("enhance", ("   ", {"seed": 1}), LLMRequestError, "prompt"),
-        ("enhance", ("a cat", {"seed": 1, "temperature": 9}), LLMRequestError, "temperature"),
-        ("enhance", ("a cat " * 800, {"seed": 1}), LLMRequestError, "prompt"),
-        ("chat", ([{"role": "wizard", "content": "hi"}], {"seed": 1}), LLMRequestError, "messages.0.role"),
-        ("chat", ([{"role": "user", "content": "hi"}], {"seed": 1, "max_tokens": 5000}), LLMRequestError, "messages"),
+        ("enhance", ("   ", {"seed": 1}), InvalidRequestError, "prompt"),
+        ("enhance", ("a cat", {"seed": 1, "temperature": 9}), InvalidRequestError, "temperature"),
+        ("enhance", ("a cat " * 800, {"seed": 1}), InvalidRequestError, "prompt"),
+        # Past the model's context (1024 tokens): refused before vLLM sees it.
+        ("enhance", ("a cat", {"seed": 1, "max_tokens": 2000}), InvalidRequestError, "prompt"),
+        ("chat", ([{"role": "wizard", "content": "hi"}], {"seed": 1}), InvalidRequestError, "messages.0.role"),
+        ("chat", ([], {"seed": 1}), InvalidRequestError, "messages"),
+        ("chat", ([{"role": "user", "content": "hi"}], {"seed": 1, "max_tokens": 5000}), InvalidRequestError, "messages"),
     ],
 )
 def test_llm_bad_input_raises_a_typed_error_and_the_replica_keeps_serving(invariant, method, args, kind, param):
     err = _raised(getattr(invariant, method).remote(*args))
     assert isinstance(err, kind)
     assert getattr(err, "param", None) == param
-    assert invariant.describe.remote().result(timeout_s=60)["running"]
+    assert invariant.describe.remote().result(timeout_s=60).running

@@ -1,0 +1,138 @@
+"""Each deployment's configuration: one typed object per stage, defined once.
+
+The same objects are read from YAML `args:` or the builder (`orchestration.AppConfig`), passed whole to the
+deployment through `.bind(config)` and on to the engine or renderer. Serve's own options come from here too
+(`deployment_options()`), so no decorator carries a value that the config would override.
+
+Defaults fit a 2-core CPU box with no GPU and no network (embedded tiny models, fractional CPUs: ingress
+0.1 + LLM 0.5 + diffusion 0.5 each). Point `model` at a real checkpoint, `device` at "cuda" and
+`ray_actor_options` at `{"num_gpus": 1}` for a GPU box.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from .admission import DiffusionLimits
+from .sampling import GuidanceScale, LLMSamplingParams, Side, Steps
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DeploymentConfig(_Config):
+    """How Serve places and scales one deployment."""
+
+    num_replicas: Annotated[int, Field(ge=1)] | None = None  # None without autoscaling: 1
+    # Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...); excludes num_replicas.
+    autoscaling_config: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
+    max_ongoing_requests: Annotated[int, Field(ge=1)] = 64
+    # Serve's own back-pressure: past this many queued calls a caller gets BackPressureError (503).
+    max_queued_requests: Annotated[int, Field(ge=1)] = 128
+    health_check_period_s: Annotated[float, Field(gt=0)] = 10.0
+    health_check_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> Self:
+        if self.autoscaling_config is not None and self.num_replicas is not None:
+            raise ValueError("give num_replicas or autoscaling_config, not both")
+        return self
+
+    @property
+    def configured_replicas(self) -> int | dict[str, Any]:
+        """What /health reports as configured: a count, or the autoscaling bounds."""
+        return dict(self.autoscaling_config) if self.autoscaling_config is not None else self.num_replicas or 1
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Keyword arguments for `Deployment.options(...)`."""
+        options: dict[str, Any] = {
+            "ray_actor_options": dict(self.ray_actor_options),
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+        }
+        if self.autoscaling_config is not None:
+            options["autoscaling_config"] = dict(self.autoscaling_config)
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+
+class StageConfig(DeploymentConfig):
+    """A model-serving stage: what it loads, where, and its batch-invariance switch."""
+
+    model: str | None = None  # None: the embedded tiny default (built locally, no download)
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # true/false: this stage's switch; null: follow OMNI_<STAGE>_BATCH_INVARIANT / VLLM_BATCH_INVARIANT.
+    batch_invariant: StrictBool | None = None
+    # Threads per replica (None: torch's default, all cores); several replicas on one box should split them.
+    torch_threads: Annotated[int, Field(ge=1)] | None = 1
+
+
+class LLMStageConfig(StageConfig):
+    max_model_len: Annotated[int, Field(ge=16)] = 1024
+    max_num_seqs: Annotated[int, Field(ge=1)] = 8  # the engine's batch: sequences per scheduling step
+    kv_cache_gib: Annotated[float, Field(gt=0)] | None = None  # None (and no utilization): 0.25 GiB
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
+    system_prompt: str | None = None  # None: the stage's own rewriting instruction
+    # Further vllm AsyncEngineArgs (e.g. tensor_parallel_size); the stage refuses ones that break invariance.
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Sampling of the prompt rewrite; its seed is always the image's own seed s_i.
+    enhance: dict[str, Any] = Field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 48})
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.kv_cache_gib is not None and self.gpu_memory_utilization is not None:
+            raise ValueError("give kv_cache_gib or gpu_memory_utilization, not both")
+        if "seed" in self.enhance:
+            raise ValueError("llm.enhance must not set seed: each image's enhancement uses the image's own seed")
+        LLMSamplingParams.model_validate(self.enhance)
+        return self
+
+    def enhance_params(self, seed: int) -> LLMSamplingParams:
+        """The sampling params of one image's prompt rewrite."""
+        return LLMSamplingParams.model_validate({**self.enhance, "seed": seed})
+
+
+class DiffusionDefaults(_Config):
+    """Sampling defaults for fields a request leaves out; None: the model's own."""
+
+    num_inference_steps: Steps | None = None
+    guidance_scale: GuidanceScale | None = None
+    height: Side | None = None
+    width: Side | None = None
+
+
+class DiffusionStageConfig(StageConfig, DiffusionLimits):
+    """The diffusion stage; its serving limits (`max_pixels`, `max_inference_steps`) come from DiffusionLimits."""
+
+    max_batch_size: Annotated[int, Field(ge=1)] = 8
+    batch_wait_timeout_s: Annotated[float, Field(ge=0)] = 0.05
+    max_queued: Annotated[int, Field(ge=1)] = 64  # the stage's own bound; past it: QueueFullError (503)
+    defaults: DiffusionDefaults = Field(default_factory=DiffusionDefaults)
+    warm_up: bool = True
+
+    @field_validator("defaults", mode="before")
+    @classmethod
+    def _no_defaults(cls, value: Any) -> Any:
+        return {} if value is None else value  # `defaults: null` in YAML: the model's own
+
+    @model_validator(mode="after")
+    def _queue_holds_a_batch(self) -> Self:
+        if self.max_queued < self.max_batch_size:
+            raise ValueError("need max_batch_size <= max_queued")
+        return self
+
+
+class IngressConfig(DeploymentConfig):
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
+    # Seconds a /health probe waits for each stage's describe().
+    health_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    # Bound on one HTTP request end to end (both stages, all images); past it: 504.
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0

@@ -1,0 +1,150 @@
+"""Every environment variable omniserve reads, in one table: name, default, meaning, parser.
+
+The one module of the package that touches `os.environ` (as `vllm/envs.py` is for vLLM). Besides reading,
+it sets variables in two documented places only: `overriding` (the environment an engine's processes
+inherit while the LLM stage spawns them) and `assign` (the CUDA kernels tell vLLM's own code paths that its
+batch-invariant mode is on, and restore the value when they are removed).
+
+`VLLM_BATCH_INVARIANT` is vLLM's own variable, parsed exactly as vLLM parses it (`bool(int(value))`): a
+value vLLM would reject (`true`, an empty string) is rejected here too, with the variable named, instead of
+meaning "on" here and failing inside vLLM's processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_switch(name: str, value: str) -> bool:
+    """omniserve's own switches: 1/true/yes/on or 0/false/no/off (stripped, any case)."""
+    normalized = value.strip().lower()
+    if normalized in _TRUE:
+        return True
+    if normalized in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a valid switch value; use one of 1/true/yes/on or 0/false/no/off")
+
+
+def parse_vllm_bool(name: str, value: str) -> bool:
+    """vLLM's own parsing of its boolean variables: `bool(int(value))`; anything int() refuses is an error."""
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(
+            f"{name}={value!r} is not a value vLLM accepts: it reads {name} as an integer (0 off, 1 on)"
+        ) from None
+
+
+def _text(name: str, value: str) -> str:
+    return value
+
+
+def _path(name: str, value: str) -> Path | None:
+    return Path(value) if value else None
+
+
+def _flag(name: str, value: str) -> bool:
+    return value == "1"
+
+
+def _not_zero(name: str, value: str) -> bool:
+    return value != "0"
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str | None  # None: unset means "not given"
+    parse: Callable[[str, str], Any]
+    meaning: str
+
+
+#: The table. Nothing else in the package reads the environment.
+VARIABLES: dict[str, Variable] = {
+    v.name: v
+    for v in (
+        Variable("OMNI_LLM_BATCH_INVARIANT", None, parse_switch,
+                 "the LLM stage's switch when its config says null; unset: follow VLLM_BATCH_INVARIANT"),
+        Variable("OMNI_DIFFUSION_BATCH_INVARIANT", None, parse_switch,
+                 "the diffusion stage's switch when its config says null; unset: follow VLLM_BATCH_INVARIANT"),
+        Variable("VLLM_BATCH_INVARIANT", None, parse_vllm_bool,
+                 "vLLM's global switch (an integer, as vLLM reads it); each stage follows it unless its own is set"),
+        Variable("OMNISERVE_CACHE", None, _path,
+                 "where built models and compiled kernels live (default: $XDG_CACHE_HOME/omniserve)"),
+        Variable("XDG_CACHE_HOME", None, _path, "the user's cache directory (default: ~/.cache)"),
+        Variable("CXX", "c++", _text, "the C++ compiler that builds the batch-invariant CPU kernels"),
+        Variable("OMNISERVE_VLLM_CPU_INVARIANT", "0", _flag,
+                 "set by the LLM stage in its engine's processes: 1 turns the vLLM CPU plugin on"),
+        Variable("VLLM_CPU_ATTN_SPLIT_KV", "1", _not_zero,
+                 "vLLM's CPU attention may split a decode's KV range by the step's workload (0: never)"),
+    )
+}
+
+
+def _variable(name: str) -> Variable:
+    try:
+        return VARIABLES[name]
+    except KeyError:
+        raise KeyError(f"{name} is not in omniserve's environment table (contracts/envs.py)") from None
+
+
+def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    return _variable(name).name in (os.environ if environ is None else environ)
+
+
+def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of `name` (its default when unset; None when it has no default)."""
+    variable = _variable(name)
+    raw = (os.environ if environ is None else environ).get(name, variable.default)
+    return None if raw is None else variable.parse(name, raw)
+
+
+def cache_root() -> Path:
+    """Where built models live: $OMNISERVE_CACHE, else $XDG_CACHE_HOME/omniserve, else ~/.cache/omniserve."""
+    explicit = read("OMNISERVE_CACHE")
+    if explicit:
+        return explicit
+    base = read("XDG_CACHE_HOME") or Path(os.path.expanduser("~")) / ".cache"
+    return base / "omniserve"
+
+
+# --- writes: the environment of processes this one starts ----------------------------------------
+
+# The process-wide environment is shared by every engine started from one process.
+_SPAWN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def overriding(values: Mapping[str, str]) -> Iterator[None]:
+    """Set `values` while a child's processes are spawned (they inherit them), then restore exactly."""
+    with _SPAWN_LOCK:
+        before = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                assign(name, value)
+
+
+def assign(name: str, value: str | None) -> str | None:
+    """Set (or, with None, remove) one variable; returns the value it had, for an exact restore."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    return before
+
+
+def set_default(name: str, value: str) -> None:
+    os.environ.setdefault(name, value)

@@ -1,0 +1,99 @@
+"""What the stages hand back: typed results that cross the actor boundary like the params do.
+
+Plain data only (text, ints, floats, PNG bytes); the ingress builds its HTTP responses from these fields,
+never from string keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .sampling import LLMSamplingParams
+
+#: One position's top logprobs: (token id, logprob), best first.
+TopLogprobs = list[tuple[int, float]]
+
+
+class Result(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Provenance(Result):
+    """Which model produced a result, and with which invariance state."""
+
+    model: str
+    batch_invariant: bool
+    kernel_backend: str  # "cpu", "vllm-cuda", "none", ...
+
+
+class Generation(Result):
+    """One finished vLLM request, as plain data."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token
+    top_logprobs: list[TopLogprobs]
+    finish_reason: str | None
+    cached_tokens: int = 0
+    # When the engine first scheduled it (set with log stats on); equal values = same step.
+    scheduled_ts: float | None = None
+
+
+class RevisedPrompt(Provenance):
+    """The LLM stage's rewrite of one image prompt, with what reproduces it."""
+
+    revised_prompt: str
+    prompt: str
+    completion: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs] | None  # only when the params asked for logprobs
+    finish_reason: str | None
+    prompt_tokens: int
+    seed: int | None
+    params: LLMSamplingParams  # what the rewrite really ran with
+    structured_output: bool
+
+
+class Usage(Result):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Completion(Provenance):
+    """One chat completion of the LLM stage."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs] | None
+    finish_reason: str | None
+    usage: Usage
+    seed: int | None
+
+
+class RenderedImage(Provenance):
+    """One image of the diffusion stage: PNG bytes, their sha256, and how it was sampled and batched."""
+
+    png: bytes
+    sha256: str
+    seed: int
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    batch_size: int  # rendered in a batch of this many
+    replica: str
+
+
+class StageDescription(Provenance):
+    """A replica's own view of itself, for /health and /v1/models."""
+
+    stage: Literal["llm", "diffusion"]
+    replica: str | None = None
+    running: bool
+    kernels: Any  # the kernel report(s): one per process that runs the model
+    details: dict[str, Any] = {}

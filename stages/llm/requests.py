@@ -1,0 +1,150 @@
+"""The stage's two requests over a started engine: `enhance` (prompt -> RevisedPrompt) and `chat` (-> Completion).
+
+Input is admitted with `contracts.admission`, the same functions the ingress uses, so a stage called without
+the ingress refuses bad input with the same message and code (an InvalidRequestError naming the field, or a
+SeedContractError). How a prompt is enhanced depends on the model: a real model rewrites it freely
+(`FreeRewrite`); the embedded one picks a style through a grammar (`stages.embedded.llm.StyleEnhancement`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from contracts.admission import admit_llm_params, admit_messages, admit_prompt
+from contracts.errors import InvalidRequestError
+from contracts.results import Completion, RevisedPrompt, Usage
+from contracts.sampling import LLMSamplingParams
+
+from .engine import LLMEngine
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You rewrite image prompts. Keep the user's subject, add a visual style and lighting, "
+    "and answer with the rewritten prompt only, on one line."
+)
+
+
+class EnhancementPolicy(Protocol):
+    structured_output: bool
+
+    def sampling(self, params: LLMSamplingParams) -> tuple[LLMSamplingParams, dict[str, Any]]:
+        """The params an enhancement really runs with, and extra vLLM SamplingParams fields."""
+
+    def compose(self, prompt: str, completion: str) -> str:
+        """The revised prompt from the user's prompt and the model's (stripped) completion."""
+
+
+class FreeRewrite:
+    """A real model's enhancement: its own rewrite; the prompt itself when it wrote nothing."""
+
+    structured_output = False
+
+    def sampling(self, params: LLMSamplingParams) -> tuple[LLMSamplingParams, dict[str, Any]]:
+        return params, {}
+
+    def compose(self, prompt: str, completion: str) -> str:
+        return completion or prompt.strip()
+
+
+def enhancement_policy(engine: LLMEngine) -> EnhancementPolicy:
+    if engine.model.embedded:
+        from stages.embedded.llm import StyleEnhancement
+
+        return StyleEnhancement()
+    return FreeRewrite()
+
+
+class LLMRequests:
+    """Encodes, admits and samples the stage's requests on one engine."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.system_prompt = engine.config.system_prompt or DEFAULT_SYSTEM_PROMPT
+        self.policy = enhancement_policy(engine)
+
+    # -- encoding --
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError(f"model {self.engine.model.name} has no chat template", param="messages")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_enhancement(self, prompt: str) -> list[int]:
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": prompt}]
+        if getattr(self.engine.tokenizer, "chat_template", None):
+            return self.encode_chat(messages)
+        return list(self.engine.tokenizer.encode(f"{self.system_prompt}\n\n{prompt}\n"))
+
+    # -- sampling --
+
+    def sampling(self, params: LLMSamplingParams, prompt_len: int, *, field: str, **extra: Any):
+        """vLLM's SamplingParams for a prompt of `prompt_len` tokens; refused when it cannot fit the context."""
+        if prompt_len + params.max_tokens > self.engine.max_model_len:
+            raise InvalidRequestError(
+                f"{field} is {prompt_len} tokens; with max_tokens={params.max_tokens} that exceeds "
+                f"the model's context of {self.engine.max_model_len} tokens",
+                param=field,
+            )
+        # The sampled token's logprob is always returned: it is part of the provenance.
+        logprobs = params.logprobs if params.logprobs is not None else 0
+        return LLMSamplingParams.from_params(params, logprobs=logprobs).to_vllm(**extra)
+
+    def enhancement(self, prompt: str, params: LLMSamplingParams) -> tuple[list[int], LLMSamplingParams, Any]:
+        """(prompt ids, the params it really runs with, vLLM SamplingParams) of one enhancement."""
+        prompt_ids = self.encode_enhancement(prompt)
+        run_params, extra = self.policy.sampling(params)
+        return prompt_ids, run_params, self.sampling(run_params, len(prompt_ids), field="prompt", **extra)
+
+    def admit(self, params: Any) -> LLMSamplingParams:
+        return admit_llm_params(params, batch_invariant=self.engine.batch_invariant)
+
+    # -- the requests --
+
+    async def enhance(self, prompt: str, params: LLMSamplingParams | dict | None = None) -> RevisedPrompt:
+        """Rewrite `prompt` for the diffusion stage; with provenance (token ids, logprobs)."""
+        params = self.admit(params)
+        prompt = admit_prompt(prompt)
+        prompt_ids, run_params, sampling = self.enhancement(prompt, params)
+        result = await self.engine.generate(prompt_ids, sampling)
+        return RevisedPrompt(
+            revised_prompt=self.policy.compose(prompt, result.text.strip()),
+            prompt=prompt,
+            completion=result.text,
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            top_logprobs=result.top_logprobs if params.logprobs else None,
+            finish_reason=result.finish_reason,
+            prompt_tokens=len(prompt_ids),
+            seed=params.seed,
+            params=run_params,
+            structured_output=self.policy.structured_output,
+            **self.provenance(),
+        )
+
+    async def chat(self, messages: Any, params: LLMSamplingParams | dict | None = None) -> Completion:
+        """One chat completion (messages in, assistant text out) through the model's chat template."""
+        params = self.admit(params)
+        admitted = admit_messages(messages)
+        # Role and content only: what the chat template has always been given.
+        prompt_ids = self.encode_chat([{"role": m.role, "content": m.content} for m in admitted])
+        result = await self.engine.generate(prompt_ids, self.sampling(params, len(prompt_ids), field="messages"))
+        completion_tokens = len(result.token_ids)
+        return Completion(
+            text=result.text,
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            top_logprobs=result.top_logprobs if params.logprobs else None,
+            finish_reason=result.finish_reason,
+            usage=Usage(
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=completion_tokens,
+                total_tokens=len(prompt_ids) + completion_tokens,
+            ),
+            seed=params.seed,
+            **self.provenance(),
+        )
+
+    def provenance(self) -> dict[str, Any]:
+        engine = self.engine
+        return {"model": engine.model.name, "batch_invariant": engine.batch_invariant, "kernel_backend": engine.kernel_backend}

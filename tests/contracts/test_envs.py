@@ -1,0 +1,48 @@
+"""The environment table (contracts.envs): the one module that reads the environment."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from contracts import envs
+
+
+def test_every_variable_has_a_meaning_and_a_parser():
+    for name, variable in envs.VARIABLES.items():
+        assert variable.name == name and variable.meaning and callable(variable.parse)
+
+
+def test_reading_a_variable_outside_the_table_is_refused():
+    with pytest.raises(KeyError, match="environment table"):
+        envs.read("HOME")
+
+
+def test_defaults_apply_when_unset_and_values_parse_when_set():
+    assert envs.read("CXX", {}) == "c++" and envs.read("CXX", {"CXX": "g++"}) == "g++"
+    assert envs.read("VLLM_CPU_ATTN_SPLIT_KV", {}) is True and envs.read("VLLM_CPU_ATTN_SPLIT_KV", {"VLLM_CPU_ATTN_SPLIT_KV": "0"}) is False
+    assert envs.read("OMNI_LLM_BATCH_INVARIANT", {}) is None
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path / "explicit"))
+    assert envs.cache_root() == tmp_path / "explicit"
+    monkeypatch.delenv("OMNISERVE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert envs.cache_root() == tmp_path / "xdg" / "omniserve"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert envs.cache_root() == Path(os.path.expanduser("~")) / ".cache" / "omniserve"
+
+
+def test_overriding_restores_the_environment_exactly(monkeypatch):
+    monkeypatch.setenv("OMNISERVE_TEST_KEEP", "before")
+    monkeypatch.delenv("OMNISERVE_TEST_NEW", raising=False)
+    with envs.overriding({"OMNISERVE_TEST_KEEP": "during", "OMNISERVE_TEST_NEW": "x"}):
+        assert os.environ["OMNISERVE_TEST_KEEP"] == "during" and os.environ["OMNISERVE_TEST_NEW"] == "x"
+    assert os.environ["OMNISERVE_TEST_KEEP"] == "before" and "OMNISERVE_TEST_NEW" not in os.environ
+
+
+def test_assign_returns_the_previous_value_for_an_exact_restore(monkeypatch):
+    monkeypatch.delenv("OMNISERVE_TEST_NEW", raising=False)
+    assert envs.assign("OMNISERVE_TEST_NEW", "1") is None and os.environ["OMNISERVE_TEST_NEW"] == "1"
+    assert envs.assign("OMNISERVE_TEST_NEW", None) == "1" and "OMNISERVE_TEST_NEW" not in os.environ
