@@ -115,6 +115,9 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     max_batch_size: Annotated[int, Field(ge=1)] = 8
     batch_wait_timeout_s: Annotated[float, Field(ge=0)] = 0.05
     max_queued: Annotated[int, Field(ge=1)] = 64  # the stage's own bound; past it: QueueFullError (503)
+    # "step": samples join and leave between denoising steps (pipelines the step engine knows; others fall back
+    # to "request"); "request": whole requests of one key per batch (`batch_wait_timeout_s` applies to it).
+    batching: Literal["step", "request"] = "step"
     defaults: DiffusionDefaults = Field(default_factory=DiffusionDefaults)
     warm_up: bool = True
 

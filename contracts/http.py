@@ -8,8 +8,10 @@ bodies, so `/openapi.json` documents them; every bound comes from `contracts.sam
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, ValidationInfo, field_validator, model_validator
@@ -34,9 +36,11 @@ from .sampling import (
     Prompt,
     PromptText,
     RepetitionPenalty,
+    SchedulerName,
     Sigmas,
     Steps,
     StopList,
+    Strength,
     Temperature,
     TopK,
     TopP,
@@ -111,6 +115,7 @@ class ImageGenerationRequest(_Request):
     num_inference_steps: Steps | None = None
     guidance_scale: GuidanceScale | None = None
     negative_prompt: PromptText | None = None
+    scheduler: SchedulerName | None = None
     enhance_prompt: StrictBool = True
     # Refused under diffusion invariance by the seed contract; passed to the stage otherwise.
     generator_device: StrictStr | None = None
@@ -154,9 +159,68 @@ class ImageGenerationRequest(_Request):
         width, height = parse_size(self.size) if self.size else (None, None)
         return DiffusionSamplingParams.model_validate(_present(
             seed=seed, num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
-            height=height, width=width, negative_prompt=self.negative_prompt,
+            height=height, width=width, negative_prompt=self.negative_prompt, scheduler=self.scheduler,
             generator_device=self.generator_device, latents=self.latents, sigmas=self.sigmas,
         ))
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """`POST /v1/images/edits` (multipart/form-data): the generation request's fields, the image and `strength`.
+
+    The image is rendered at its own size (a requested `size` must be it) from `strength` into the schedule
+    (`contracts.images`, `stages.engine.img2img`). `from_form` reads the form: text for every field, bytes for
+    the image.
+    """
+
+    UNSUPPORTED = {
+        **ImageGenerationRequest.UNSUPPORTED,
+        "mask": "this server edits the whole image (image-to-image); masks (inpainting) are not served",
+        "input_fidelity": "this server's edits follow the image as far as `strength` says",
+        "latents": "an edit's initial latents come from its image",
+    }
+
+    image: bytes = Field(description="the image to edit: PNG, JPEG or WebP, at most 16 MiB and 4096x4096")
+    strength: Strength | None = None
+
+    def diffusion_params(self, seed: int | None) -> DiffusionSamplingParams:
+        return DiffusionSamplingParams.from_params(super().diffusion_params(seed), **_present(strength=self.strength))
+
+    @classmethod
+    def from_form(cls, fields: Mapping[str, str | bytes]) -> ImageEditRequest:
+        """Validate form fields. A non-text field's text is read as its JSON value ("4", "4.5", "true"; empty: null),
+        so each field has exactly the type and bounds it has in the JSON generation request ("4.5" is no `n`)."""
+        text = _text_fields(cls)
+        data = {name: value if name in text or not isinstance(value, str) else _json_value(value) for name, value in fields.items()}
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise invalid_request(err) from None
+
+    @classmethod
+    def form_schema(cls) -> dict[str, Any]:
+        """The form as OpenAPI documents it (`ref_template` for its components); fields refused by name left out."""
+        schema = cls.model_json_schema(ref_template="#/components/schemas/{model}")
+        schema.pop("$defs", None)  # only the refused `latents` refers to one
+        for name in cls.UNSUPPORTED:
+            schema["properties"].pop(name, None)
+        return schema
+
+
+@functools.cache
+def _text_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that take text (a form gives them as they are)."""
+    def takes_text(schema: dict[str, Any]) -> bool:
+        return any(s.get("type") == "string" and "format" not in s for s in schema.get("anyOf", [schema]))
+    return frozenset(name for name, schema in model.model_json_schema()["properties"].items() if takes_text(schema))
+
+
+def _json_value(text: str) -> Any:
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: validation names the field and the type it wants
 
 
 class ChatCompletionRequest(_Request):
@@ -229,9 +293,11 @@ class ImageData(BaseModel):
     revised_prompt: str
     seed: int  # s_i: a request with n=1 and this seed reproduces this image bit for bit
     sha256: str  # of the PNG bytes
-    # Extensions for observability: which diffusion replica rendered it, and in a batch of how many.
+    # Extensions for observability: which diffusion replica rendered it, the most samples that shared one of its
+    # denoiser calls, and how many of its steps were shared.
     replica: str | None = None
     batch_size: int | None = None
+    steps_co_batched: int | None = None
 
 
 class ImagesResponse(BaseModel):

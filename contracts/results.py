@@ -85,7 +85,8 @@ class RenderedImage(Provenance):
     width: int
     num_inference_steps: int
     guidance_scale: float
-    batch_size: int  # rendered in a batch of this many
+    batch_size: int  # the most samples that shared one of its denoiser calls
+    steps_co_batched: int  # how many of its steps ran with other samples
     replica: str
 
 

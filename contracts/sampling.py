@@ -44,6 +44,12 @@ Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)
 NestedFloats = TypeAliasType("NestedFloats", "list[Annotated[float, Field(allow_inf_nan=False)]] | list[NestedFloats]")
 Sigmas = Annotated[list[Finite], Field(min_length=1)]
 GeneratorDevice = Annotated[str, Field(pattern=r"^(cpu|cuda|xpu|mps)(:\d+)?$")]
+#: Schedulers a request may pick (each model serves the ones of its family; None: the model's own).
+SchedulerName = Literal["euler", "euler_ancestral", "dpmpp_2m", "ddim", "flow_match_euler"]
+#: Image edits (image-to-image): the part of the schedule that runs, from the noised image (1: all of it).
+Strength = Annotated[Finite, Field(gt=0.0, le=1.0)]
+#: An edit's strength when the request gives none (OpenAI's and diffusers' img2img default).
+DEFAULT_STRENGTH = 0.8
 
 Temperature = Annotated[Finite, Field(ge=0.0, le=2.0)]
 TopP = Annotated[Finite, Field(gt=0.0, le=1.0)]
@@ -127,6 +133,8 @@ class DiffusionSamplingParams(Contract):
     height: Side | None = None
     width: Side | None = None
     negative_prompt: PromptText | None = None
+    scheduler: SchedulerName | None = None
+    strength: Strength | None = None  # image edits only: None is DEFAULT_STRENGTH
     # The three inputs the seed contract forbids under invariance (see contracts.invariance).
     generator_device: GeneratorDevice | None = None
     latents: NestedFloats | None = None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contracts.http import (
@@ -23,6 +24,10 @@ from contracts.http import (
     ImagesResponse,
     ModelList,
 )
+
+from contracts.errors import InvalidRequestError
+from contracts.http import ImageEditRequest
+from contracts.images import MAX_IMAGE_BYTES, check_image_bytes
 
 from .errors import HTTPError, client_error, http_error
 from .health import HealthResponse
@@ -49,6 +54,37 @@ def error_response(error: HTTPError) -> JSONResponse:
 def _not_json(request: Request) -> bool:
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     return not (kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")))
+
+
+#: An edit's body as OpenAPI documents it: a multipart form (the route reads it itself, see `read_edit`).
+EDIT_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": ImageEditRequest.form_schema()}}}}
+#: What a multipart body may carry besides its image: the text fields (each far below 1 MiB).
+FORM_OVERHEAD_BYTES = 2**20
+
+
+async def read_edit(request: Request) -> ImageEditRequest:
+    """The edit in a multipart form, as OpenAI's client sends it: one file `image` (or `image[]`), the rest text."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "multipart/form-data":
+        raise InvalidRequestError("send the edit as multipart/form-data, the image as a file field", code="invalid_content_type")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_IMAGE_BYTES + FORM_OVERHEAD_BYTES:  # refused before the body is read
+        raise InvalidRequestError(f"the body is {length} bytes: an image may have at most {MAX_IMAGE_BYTES} (16 MiB)",
+                                  param="image", code="image_too_large")
+    fields: dict[str, str | bytes] = {}
+    async with request.form(max_files=4, max_fields=64) as form:
+        for name, value in form.multi_items():
+            name = "image" if name == "image[]" else name
+            if name in fields:
+                raise InvalidRequestError("send exactly one image" if name == "image" else f"{name} is given more than once", param=name)
+            if name == "image":
+                if not isinstance(value, UploadFile):
+                    raise InvalidRequestError("image must be sent as a file (a multipart file field)", param="image", code="invalid_type")
+                check_image_bytes(value.size or 0)
+                value = await value.read()
+            elif isinstance(value, UploadFile):
+                value = b""  # any other file is refused by its name, unread
+            fields[name] = value
+    return ImageEditRequest.from_form(fields)
 
 
 def build_api(ingress: Ingress) -> FastAPI:
@@ -89,6 +125,15 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.post("/v1/images/generations", response_model=ImagesResponse, responses=ERRORS)
     async def images_generations(body: ImageGenerationRequest):
         return await respond(ingress.images(body))
+
+    @api.post("/v1/images/edits", response_model=ImagesResponse, responses=ERRORS, openapi_extra=EDIT_BODY)
+    async def images_edits(request: Request):
+        """OpenAI's image edits (image-to-image): a multipart form with one `image` file; `mask` is not supported."""
+
+        async def edit() -> ImagesResponse:
+            return await ingress.images(await read_edit(request))
+
+        return await respond(edit())
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest):

@@ -1,6 +1,7 @@
 """The ingress deployment: admission, fan-out to the stages, responses. Holds no model.
 
     POST /v1/images/generations   admit -> per image (LLM enhance -> diffusion generate) -> b64 PNGs
+    POST /v1/images/edits         the same, from an image (multipart): admit it -> ... -> diffusion edit -> b64 PNGs
     POST /v1/chat/completions     the LLM stage alone
     GET  /v1/models               the served models, OpenAI's list format
     GET  /health                  stage states, invariance switches, kernel reports, replica counts
@@ -18,11 +19,12 @@ from ray import serve
 
 from contracts.errors import ModelNotFoundError
 from contracts.http import ChatCompletionRequest, ChatCompletionResponse, ImageGenerationRequest, ImagesResponse, ModelCard, ModelList
+from contracts.http import ImageEditRequest
 from contracts.invariance import STAGES
 
 from .config import AppConfig
 from .health import HealthProbe, HealthResponse
-from .pipeline import ImagePipeline, admit_chat, admit_images
+from .pipeline import ImagePipeline, admit_chat, admit_edit, admit_images
 from .responses import chat_response, images_response
 
 
@@ -44,9 +46,10 @@ class Ingress:
         return build_api(self)
 
     async def images(self, request: ImageGenerationRequest) -> ImagesResponse:
+        """Generations, and edits (an ImageEditRequest): the same checks, seeds and stages, the image added."""
         if request.model is not None:
             await self.check_model("diffusion", request.model)
-        plan = admit_images(request, self.config)
+        plan = admit_edit(request, self.config) if isinstance(request, ImageEditRequest) else admit_images(request, self.config)
         results = await self.pipeline.run(plan)
         return images_response(plan, results, self.config.switches)
 

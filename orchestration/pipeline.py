@@ -1,7 +1,9 @@
 """The image pipeline: admission, then per image i the LLM stage, then the diffusion stage, each with seed s_i.
 
     admit_images(request, config) -> ImagePlan     no replica involved: every 4xx is decided here
+    admit_edit(request, config) -> ImagePlan       the same, for an edit: its image admitted, its size the image's
     ImagePipeline.run(plan) -> [ImageResult]       n images concurrently, so the diffusion stage co-batches
+                                                   (an edit's images: DiffusionStage.edit with the plan's image)
 
 Image i is a pure function of (prompt, parameters, s_i), with s_i = seed_for_image(seed, i): a request
 with n=1 and seed=s_i reproduces it bit for bit, revised prompt included. The stages admit what they are
@@ -11,11 +13,12 @@ handed again, with the same functions (contracts.admission).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from contracts.admission import admit_diffusion_params, admit_llm_params
-from contracts.http import ChatCompletionRequest, ImageGenerationRequest
+from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerationRequest, parse_size
+from contracts.images import admit_image, edit_size
 from contracts.results import RenderedImage, RevisedPrompt
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import pick_seed, seeds_for_request
@@ -33,6 +36,7 @@ class ImagePlan:
     seed_picked_by_server: bool
     llm_params: list[LLMSamplingParams]  # per image (empty when enhance is off)
     diffusion_params: list[DiffusionSamplingParams]  # per image
+    image: bytes | None = None  # an edit's image (None: a generation)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,14 @@ def admit_images(request: ImageGenerationRequest, config: AppConfig) -> ImagePla
     )
 
 
+def admit_edit(request: ImageEditRequest, config: AppConfig) -> ImagePlan:
+    """An edit's plan: its image admitted, rendered at the image's size (a requested size must be it), then as above."""
+    picture = admit_image(request.image)
+    width, height = edit_size(picture, *(parse_size(request.size) if request.size else (None, None)))
+    plan = admit_images(request.model_copy(update={"size": f"{width}x{height}"}), config)
+    return replace(plan, image=request.image)
+
+
 def admit_chat(request: ChatCompletionRequest, config: AppConfig) -> LLMSamplingParams:
     """The chat request's sampling params; a seedless sampled request is refused under LLM invariance."""
     params = admit_llm_params(request.llm_params(request.seed), batch_invariant=config.switches["llm"])
@@ -75,18 +87,22 @@ class ImagePipeline:
         self.llm = llm
         self.diffusion = diffusion
 
-    async def image(self, prompt: str, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams) -> ImageResult:
+    async def image(self, prompt: str, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams,
+                    init_image: bytes | None = None) -> ImageResult:
         rewrite = None
         if llm_params is not None:
             rewrite = await self.llm.enhance.remote(prompt, llm_params)
             prompt = rewrite.revised_prompt
-        image = await self.diffusion.generate.remote(prompt, params)
+        if init_image is None:
+            image = await self.diffusion.generate.remote(prompt, params)
+        else:
+            image = await self.diffusion.edit.remote(prompt, init_image, params)
         return ImageResult(revised_prompt=prompt, image=image, rewrite=rewrite)
 
     async def run(self, plan: ImagePlan) -> list[ImageResult]:
         llm = plan.llm_params if plan.enhance else [None] * len(plan.diffusion_params)
         return await gather_or_cancel(
-            [self.image(plan.prompt, llm_params, params) for llm_params, params in zip(llm, plan.diffusion_params)]
+            [self.image(plan.prompt, llm_params, params, plan.image) for llm_params, params in zip(llm, plan.diffusion_params)]
         )
 
 

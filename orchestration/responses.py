@@ -34,6 +34,7 @@ def images_response(plan: ImagePlan, results: list[ImageResult], switches: dict[
                 sha256=r.image.sha256,
                 replica=r.image.replica,
                 batch_size=r.image.batch_size,
+                steps_co_batched=r.image.steps_co_batched,
             )
             for r in results
         ],

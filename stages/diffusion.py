@@ -1,13 +1,16 @@
-"""The diffusion stage: one diffusers pipeline per replica, keyed dynamic batching, bit-identical output.
+"""The diffusion stage: one diffusers pipeline per replica, batched without changing a bit of any image.
 
 Read top to bottom:
-  BatchKey, Job      what decides whether two requests may share a forward; one image to render
+  BatchKey, Job      what decides whether two requests may share a whole-request batch; one image to render
   DiffusionRenderer  loads the pipeline (kernels first, when the switch is on), fills a request's
                      defaults, refuses what this model cannot render, and renders a batch of same-key
-                     requests: one CPU generator per sample, built here from the seed.
-  DiffusionStage     the Ray Serve deployment: admission (`contracts.admission`), one @serve.batch
-                     queue per batch key, a bounded number of requests in flight, PNG bytes, their
-                     sha256 and provenance as a `RenderedImage`.
+                     requests through the pipeline itself (the audit and the request-level mode use it).
+  StepBatching       the pipelines the step engine knows (`stages.engine`): samples join and leave
+                     between denoising steps, cancelled ones leave at the next step boundary; image edits
+                     (image-to-image, `stages.engine.img2img`) run there only.
+  RequestBatching    any other pipeline: one @serve.batch queue per batch key, whole requests.
+  DiffusionStage     the Ray Serve deployment: admission (`contracts.admission`), a bounded number of
+                     requests in flight, PNG bytes, their sha256 and provenance as a `RenderedImage`.
 
 Nothing here knows about HTTP; errors are typed (`contracts.errors`) for the ingress to map.
 """
@@ -28,19 +31,17 @@ from ray import serve
 from contracts.admission import admit_diffusion_params, admit_prompt
 from contracts.config import DiffusionDefaults, DiffusionStageConfig
 from contracts.errors import InvalidRequestError, QueueFullError
+from contracts.images import admit_image, edit_size
 from contracts.invariance import resolve_batch_invariant
 from contracts.results import RenderedImage, StageDescription
 from contracts.sampling import DiffusionSamplingParams
 from contracts.seeds import pick_seed
 from stages import replica_id
 from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
+from stages.engine import Sample, StepEngine, family_for
+from stages.engine.families import SLICED_DECODE_PIXELS
+from stages.engine.img2img import edit_steps, strength_of
 
-# From this many pixels per image the VAE decodes a batch one image at a time. A batched decode's
-# full-resolution activations outgrow the CPU caches, so each image costs more in a batch than
-# alone (measured, tiny DiT at 256x256 with kernels on: 0.93x per image at batch 8 vs 1 batched,
-# 1.11x sliced; at 64x64 batching the decode pays: 1.69x batched vs 1.54x sliced). Bits are
-# unaffected with invariance on: the decoder is batch-invariant either way.
-SLICED_DECODE_PIXELS = 128 * 128
 #: The sampling params a RenderedImage reports (each one as the image was really rendered).
 RENDERED_PARAMS = {"seed", "height", "width", "num_inference_steps", "guidance_scale"}
 
@@ -74,10 +75,11 @@ class BatchKey:
 
 @dataclass(frozen=True)
 class Job:
-    """One image to render: plain data only."""
+    """One image to render: its prompt, its resolved params and, for an edit, its init image."""
 
     prompt: str
     params: DiffusionSamplingParams  # resolved: no None left but negative_prompt/latents/sigmas/device
+    image: Any = None  # edits: the init image, preprocessed (1, 3, H, W) (stages.engine.img2img); None: text-to-image
 
 
 def encode_png(image) -> bytes:
@@ -134,6 +136,7 @@ class DiffusionRenderer:
         self.size_multiple = self.pipe.vae_scale_factor * (getattr(patch, "patch_size", 1) or 1)
         self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters
         self.defaults = self._defaults(config.defaults)
+        self.family = family_for(self.pipe)  # None: the step engine does not know this pipeline
 
     def _defaults(self, given: DiffusionDefaults) -> dict:
         """The model's own defaults (the embedded ones are small), overridden by the configured ones."""
@@ -144,15 +147,24 @@ class DiffusionRenderer:
 
     # --- admission of resolved params: what this model can render -------------------------------------
 
-    def resolve(self, params: DiffusionSamplingParams, *, seed: int | None = None) -> DiffusionSamplingParams:
-        """Fill unset fields with this model's defaults; refuse what exceeds the limits or this model."""
+    def resolve(self, params: DiffusionSamplingParams, *, step_engine: bool = False) -> DiffusionSamplingParams:
+        """Fill unset fields with this model's defaults; refuse what exceeds the limits or this model.
+
+        A scheduler other than the model's own is chosen per sample by the step engine only.
+        """
         filled = {k: v for k, v in self.defaults.items() if getattr(params, k) is None}
         if params.seed is None:
             # Only reachable with invariance off: the seed contract refuses seedless requests when on.
-            filled["seed"] = seed if seed is not None else pick_seed()
+            filled["seed"] = pick_seed()
         resolved = params.model_copy(update=filled) if filled else params
         self.config.check_limits(resolved)
         self._check_renderable(resolved)
+        if resolved.scheduler is not None:
+            served = sorted(self.family.SCHEDULERS) if step_engine and self.family else []
+            if resolved.scheduler not in served:
+                raise InvalidRequestError(
+                    f"scheduler {resolved.scheduler!r} is not served for {self.model}; choose one of {served} or leave it out",
+                    param="scheduler", code="unsupported_value")
         return resolved
 
     def _check_renderable(self, params: DiffusionSamplingParams) -> None:
@@ -200,7 +212,7 @@ class DiffusionRenderer:
         kwargs = self._pipeline_inputs(jobs, key)
         vae = getattr(self.pipe, "vae", None)
         if hasattr(vae, "use_slicing"):
-            vae.use_slicing = key.height * key.width >= SLICED_DECODE_PIXELS
+            vae.use_slicing = key.height * key.width >= SLICED_DECODE_PIXELS  # see stages.engine.families
         with torch.inference_mode():
             return self.pipe(**kwargs, **pipeline_kwargs).images
 
@@ -228,15 +240,97 @@ class DiffusionRenderer:
             kwargs["latents"] = torch.stack([self._latents_tensor(job.params) for job in jobs]).to(self.device, dtype)
         return kwargs
 
-    def warm_up(self) -> None:
-        """One small render so the first request does not pay for kernel set-up."""
-        params = self.resolve(DiffusionSamplingParams(seed=0, num_inference_steps=1))
-        self.render([Job("warm-up", params)])
+
+class StepBatching:
+    """Step-level continuous batching on the step engine; a cancelled request leaves at the next step."""
+
+    mode = "step"
+
+    def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
+        self.engine = StepEngine(renderer.family, max_batch_size=config.max_batch_size, torch_threads=config.torch_threads)
+        self.rendered = rendered  # (job, float image, batch_size, steps_co_batched) -> RenderedImage
+
+    async def render(self, job: Job) -> RenderedImage:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def on_done(result: Any) -> None:  # on the engine's thread: encode there, settle on the event loop
+            if not isinstance(result, BaseException):
+                result = self.rendered(job, result, sample.largest_batch, sample.steps_co_batched)
+            loop.call_soon_threadsafe(_settle, future, result)
+
+        sample = self.engine.submit(Sample(job.prompt, job.params, on_done=on_done, image=job.image))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.engine.cancel(sample)
+            raise
+
+    def warm_up(self, job: Job) -> None:
+        self.engine.render([Sample(job.prompt, job.params, on_done=None)])
+
+    @property
+    def alive(self) -> bool:
+        return self.engine.alive
+
+    def load(self) -> dict[str, int]:
+        return self.engine.load()
+
+
+class RequestBatching:
+    """Whole-request batching: one @serve.batch queue per batch key (Serve has no keyed batching)."""
+
+    mode = "request"
+
+    def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
+        self.renderer, self.config, self.rendered = renderer, config, rendered
+        self._queues: dict[BatchKey, Any] = {}
+        # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful).
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
+
+    async def render(self, job: Job) -> RenderedImage:
+        return await self._queue(BatchKey.of(job.params))(job)
+
+    def _queue(self, key: BatchKey):
+        queue = self._queues.get(key)
+        if queue is None:
+
+            @serve.batch(max_batch_size=self.config.max_batch_size, batch_wait_timeout_s=self.config.batch_wait_timeout_s)
+            async def run_batch(jobs: list[Job]) -> list[RenderedImage]:
+                return await asyncio.get_running_loop().run_in_executor(self._compute, self._render, jobs)
+
+            self._queues[key] = queue = run_batch
+        return queue
+
+    def _render(self, jobs: list[Job]) -> list[RenderedImage]:
+        images = self.renderer.render(jobs)
+        shared = len(jobs) > 1
+        return [self.rendered(job, image, len(jobs), job.params.num_inference_steps * shared) for job, image in zip(jobs, images)]
+
+    def warm_up(self, job: Job) -> None:
+        self.renderer.render([job])
+
+    @property
+    def alive(self) -> bool:
+        """The compute thread can still take batches (the executor starts it on the first one)."""
+        return not self._compute._shutdown and all(thread.is_alive() for thread in self._compute._threads)
+
+    def load(self) -> dict[str, int]:
+        return {"queues": len(self._queues)}
+
+
+def _settle(future: asyncio.Future, result: Any) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 @serve.deployment
 class DiffusionStage:
-    """One pipeline per replica, keyed dynamic batching. `DiffusionStage.func_or_class` is the plain class."""
+    """One pipeline per replica; step-level batching where the engine knows the pipeline, else whole requests."""
 
     def __init__(self, config: DiffusionStageConfig | Mapping | None = None):
         config = DiffusionStageConfig.model_validate(config if config is not None else {})
@@ -245,54 +339,65 @@ class DiffusionStage:
         self.batch_invariant = batch_invariant
         self.renderer = DiffusionRenderer(self.config)
         self.in_flight = 0
-        self._queues: dict[BatchKey, Any] = {}
-        # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful),
-        # and the event loop stays free to admit and queue requests meanwhile.
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
         self.replica = replica_id()
+        step = self.config.batching == "step" and self.renderer.family is not None
+        self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config, self._rendered)
         if self.config.warm_up:
-            self.renderer.warm_up()
+            self.batching.warm_up(Job("warm-up", self.renderer.resolve(DiffusionSamplingParams(seed=0, num_inference_steps=1))))
 
     def admit(self, prompt: Any, params: Any) -> Job:
         """Validate one request into a Job, or raise InvalidRequestError. Nothing is dropped or replaced."""
         prompt = admit_prompt(prompt)
         params = admit_diffusion_params(params, batch_invariant=self.batch_invariant)
-        return Job(prompt, self.renderer.resolve(params))
+        return Job(prompt, self.renderer.resolve(params, step_engine=self.batching.mode == "step"))
 
     async def generate(self, prompt: str, params: Mapping | DiffusionSamplingParams | None = None) -> RenderedImage:
         """Render one image: PNG bytes, their sha256 and provenance."""
-        job = self.admit(prompt, params or {})
+        return await self._render(self.admit(prompt, params or {}))
+
+    def admit_edit(self, prompt: Any, image: Any, params: Any) -> Job:
+        """Validate one edit into a Job with its init image (`contracts.images`), or raise InvalidRequestError.
+
+        The image is rendered at its own size: a requested size must be the image's; none requested, the image's.
+        """
+        if self.batching.mode != "step":
+            raise InvalidRequestError(f"image edits are not served for {self.renderer.model}: the step engine does not "
+                                      "know its pipeline", param="image", code="unsupported_value")
+        prompt = admit_prompt(prompt)
+        params = admit_diffusion_params(params, batch_invariant=self.batch_invariant)
+        picture = admit_image(image)
+        width, height = edit_size(picture, params.width, params.height)
+        if params.latents is not None:
+            raise InvalidRequestError("latents cannot be given with an image: the image decides the initial latents", param="latents")
+        sized = params.model_copy(update={"width": width, "height": height, "strength": strength_of(params)})
+        resolved = self.renderer.resolve(sized, step_engine=True)
+        if edit_steps(self.renderer.family, resolved.num_inference_steps, resolved.strength) < 1:
+            raise InvalidRequestError(f"strength {resolved.strength} leaves none of {resolved.num_inference_steps} steps to run; "
+                                      "raise strength or num_inference_steps", param="strength", code="out_of_range")
+        return Job(prompt, resolved, image=self.renderer.pipe.image_processor.preprocess(picture))
+
+    async def edit(self, prompt: str, image: bytes, params: Mapping | DiffusionSamplingParams | None = None) -> RenderedImage:
+        """Render one image from `image` (image-to-image, starting at `params.strength`): PNG bytes, sha256, provenance."""
+        return await self._render(self.admit_edit(prompt, image, params or {}))
+
+    async def _render(self, job: Job) -> RenderedImage:
+        """Render an admitted job; past `max_queued` requests in flight, QueueFullError."""
         if self.in_flight >= self.config.max_queued:
             raise QueueFullError(f"diffusion replica {self.replica} has {self.in_flight} requests in flight; retry shortly")
         self.in_flight += 1
         try:
-            return await self._queue(BatchKey.of(job.params))(job)
+            return await self.batching.render(job)
         finally:
             self.in_flight -= 1
 
-    def _queue(self, key: BatchKey):
-        """The @serve.batch queue for one key (Serve has no keyed batching, so one queue per key)."""
-        queue = self._queues.get(key)
-        if queue is None:
-
-            @serve.batch(max_batch_size=self.config.max_batch_size, batch_wait_timeout_s=self.config.batch_wait_timeout_s)
-            async def run_batch(jobs: list[Job]) -> list[RenderedImage]:
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._compute, self._render, jobs)
-
-            self._queues[key] = queue = run_batch
-        return queue
-
-    def _render(self, jobs: list[Job]) -> list[RenderedImage]:
-        images = self.renderer.render(jobs)
-        return [self._rendered(job, encode_png(image), batch_size=len(jobs)) for job, image in zip(jobs, images)]
-
-    def _rendered(self, job: Job, png: bytes, *, batch_size: int) -> RenderedImage:
+    def _rendered(self, job: Job, image: Any, batch_size: int, steps_co_batched: int) -> RenderedImage:
+        png = encode_png(image)
         return RenderedImage(
             png=png,
             sha256=hashlib.sha256(png).hexdigest(),
             **job.params.model_dump(include=RENDERED_PARAMS),
             batch_size=batch_size,
+            steps_co_batched=steps_co_batched,
             model=self.renderer.model,
             batch_invariant=self.batch_invariant,
             kernel_backend=self.renderer.kernels.backend,
@@ -301,8 +406,9 @@ class DiffusionStage:
 
     async def describe(self) -> StageDescription:
         config = self.config
-        batching = {"max_batch_size": config.max_batch_size, "batch_wait_timeout_s": config.batch_wait_timeout_s,
-                    "max_queued": config.max_queued, "in_flight": self.in_flight}
+        batching = {"mode": self.batching.mode, "max_batch_size": config.max_batch_size,
+                    "batch_wait_timeout_s": config.batch_wait_timeout_s, "max_queued": config.max_queued,
+                    "in_flight": self.in_flight, **self.batching.load()}
         return StageDescription(
             stage="diffusion",
             model=self.renderer.model,
@@ -310,16 +416,11 @@ class DiffusionStage:
             batch_invariant=self.batch_invariant,
             kernel_backend=self.renderer.kernels.backend,
             kernels=self.renderer.kernels.to_dict(),
-            running=self._computing(),
+            running=self.batching.alive,
             details={"device": self.renderer.device, "torch_threads": self.renderer.torch_threads,
                      "defaults": dict(self.renderer.defaults), "batching": batching},
         )
 
-    def _computing(self) -> bool:
-        """The compute thread can still take batches (the executor starts it on the first one)."""
-        return not self._compute._shutdown and all(thread.is_alive() for thread in self._compute._threads)
-
     def check_health(self) -> None:
-        if not self._computing():
+        if not self.batching.alive:
             raise RuntimeError("the compute thread is gone")
-

@@ -1,10 +1,6 @@
 """The whole app end to end: real Ray, Serve's HTTP proxy on a loopback port, vLLM, diffusers, tiny real models.
 
-Started the way the README shows (`serve.run(build_app(config))` on the suite's Serve instance), once for the module:
-  "/"     both switches on, LLM 1 replica, diffusion 2 replicas (co-batching, reproduction, bad inputs,
-          the openai client, both replicas serving identical bytes)
-  "/off"  both switches off, the LLM scaled to zero (enhance_prompt=false only), a one-slot diffusion
-          queue (seedless requests served with their seed returned; 503 + Retry-After when full)
+The apps are the package's (tests/orchestration/conftest.py): "/" both switches on, "/off" both off.
 Nothing is mocked. Small images (64x64), 4 steps, bounded timeouts everywhere.
 """
 
@@ -19,54 +15,9 @@ import pytest
 from contracts.invariance import MAX_SEED, MIN_SEED
 from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
 
+from .conftest import STEPS, TIMEOUT_S
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-
-STEPS = 4
-TIMEOUT_S = 180
-MAIN = {
-    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.3}, "torch_threads": 1},
-    "diffusion": {
-        "batch_invariant": True,
-        "num_replicas": 2,
-        "ray_actor_options": {"num_cpus": 0.3},
-        "max_batch_size": 4,
-        "batch_wait_timeout_s": 1.0,  # generous: concurrent requests must meet in one batch on a loaded box
-        "defaults": {"num_inference_steps": STEPS},
-    },
-    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
-}
-OFF = {
-    "llm": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3},
-            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}},
-    "diffusion": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3}, "max_batch_size": 1,
-                  "max_queued": 1, "batch_wait_timeout_s": 0.0, "defaults": {"num_inference_steps": STEPS}},
-    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
-}
-
-
-@pytest.fixture(scope="module")
-def server(serve_instance):
-    from orchestration import build_app
-
-    started = time.monotonic()
-    serve.run(build_app(OFF), name="off", route_prefix="/off")
-    serve.run(build_app(MAIN), name="main", route_prefix="/")
-    print(f"apps running after {time.monotonic() - started:.1f} s")
-    try:
-        yield serve_instance
-    finally:
-        serve.delete("main")
-        serve.delete("off")
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=TIMEOUT_S) as client:
-        yield client
-
 
 def generate(http, path="/v1/images/generations", **body) -> dict:
     response = http.post(path, json={"size": "64x64", **body})
@@ -163,6 +114,56 @@ def test_embedded_default_serves_64_and_128_pixel_images(http):
     import io
 
     assert Image.open(io.BytesIO(png(big["data"][0]))).size == (128, 128)
+
+
+# --- the step engine behind HTTP ------------------------------------------------------------------
+
+
+def test_a_short_request_sent_while_a_long_n8_request_runs_finishes_first_and_shares_forwards(server):
+    long = {"prompt": "a long request", "seed": 1, "n": 8, "num_inference_steps": 32, "enhance_prompt": False}
+    short = {"prompt": "a short request", "seed": 2, "num_inference_steps": 4, "enhance_prompt": False}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT_S) as client:
+            finished = []
+
+            async def send(name, body):
+                response = await client.post("/v1/images/generations", json={"size": "64x64", **body})
+                finished.append(name)
+                return response
+
+            # One long request per diffusion replica, so that whichever replica the short one reaches is busy.
+            running = [asyncio.ensure_future(send("long", {**long, "seed": seed})) for seed in (1, 2)]
+            await asyncio.sleep(1.0)  # the long requests' samples are denoising
+            quick = await send("short", short)
+            return finished, quick, await asyncio.gather(*running)
+
+    finished, quick, slow = asyncio.run(run())
+    assert quick.status_code == 200 and all(r.status_code == 200 for r in slow), (quick.text, [r.text for r in slow])
+    assert finished == ["short", "long", "long"]
+    assert quick.json()["data"][0]["batch_size"] > 1 and quick.json()["data"][0]["steps_co_batched"] > 0
+
+
+def test_abandoned_requests_leave_the_engine_at_a_step_boundary(server):
+    from ray import serve
+
+    big = {"prompt": "abandoned", "n": 8, "size": "256x256", "num_inference_steps": 50, "enhance_prompt": False}
+
+    async def abandon():
+        async with httpx.AsyncClient(base_url=server, timeout=2.0) as client:
+            calls = [client.post("/v1/images/generations", json={**big, "seed": i}) for i in range(4)]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, httpx.TimeoutException) for r in results), results  # the clients gave up
+
+    asyncio.run(abandon())
+    handle = serve.get_deployment_handle("DiffusionStage", app_name="main")
+    # Uncancelled, 32 samples x 50 steps at 256x256 would keep both replicas busy for minutes.
+    deadline, idle_in_a_row = time.monotonic() + 60, 0
+    while idle_in_a_row < 8:
+        assert time.monotonic() < deadline, "abandoned samples are still being denoised"
+        load = handle.describe.remote().result(timeout_s=30).details["batching"]
+        idle_in_a_row = idle_in_a_row + 1 if load["active"] == load["waiting"] == load["in_flight"] == 0 else 0
+        time.sleep(0.25)
 
 
 # --- the seed contract ----------------------------------------------------------------------------

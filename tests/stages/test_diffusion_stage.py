@@ -93,21 +93,38 @@ def test_diffusion_control_invariance_off_cobatched_bytes_differ(serve_instance,
         serve.delete(name)
 
 
-def test_diffusion_different_keys_never_share_a_batch(unet_invariant):
-    # Sent together, with a long batch wait: a mixed batch would report more items than its key has.
-    groups = {
-        "64px-3steps": [(f"key one {i}", i, {}) for i in range(3)],
-        "128px": [(f"key two {i}", 10 + i, {"height": 128, "width": 128}) for i in range(2)],
-        "64px-2steps": [("key three", 20, {"num_inference_steps": 2})],
-    }
+KEY_GROUPS = {
+    "64px-3steps": [(f"key one {i}", i, {}) for i in range(3)],
+    "128px": [(f"key two {i}", 10 + i, {"height": 128, "width": 128}) for i in range(2)],
+    "64px-2steps": [("key three", 20, {"num_inference_steps": 2})],
+}
+
+
+def _sent_together(handle) -> dict[str, list[RenderedImage]]:
     pending = {
-        name: [unet_invariant.generate.remote(p, {"seed": s, **STEPS, **extra}) for p, s, extra in items]
-        for name, items in groups.items()
+        name: [handle.generate.remote(p, {"seed": s, **STEPS, **extra}) for p, s, extra in items]
+        for name, items in KEY_GROUPS.items()
     }
-    for name, responses in pending.items():
-        results = [r.result(timeout_s=TIMEOUT_S) for r in responses]
-        assert all(r.batch_size <= len(groups[name]) for r in results), name
-    assert {r.height for r in results} == {64}
+    return {name: [r.result(timeout_s=TIMEOUT_S) for r in responses] for name, responses in pending.items()}
+
+
+def test_diffusion_step_batching_shares_forwards_across_step_counts_but_never_across_shapes(unet_invariant):
+    results = _sent_together(unet_invariant)
+    assert all(r.batch_size <= 4 for r in results["64px-3steps"] + results["64px-2steps"])
+    assert all(r.batch_size <= 2 for r in results["128px"]), "a 128px sample shared a forward with 64px ones"
+    # Different step counts share forwards: the 2-step sample ran beside the 3-step ones.
+    assert results["64px-2steps"][0].batch_size > 1 and results["64px-2steps"][0].steps_co_batched > 0
+
+
+def test_diffusion_request_batching_never_mixes_keys_in_a_batch(serve_instance):
+    # Sent together, with a long batch wait: a mixed batch would report more items than its key has.
+    handle = deploy("unet-request", batching="request", max_batch_size=4, max_queued=8)
+    try:
+        for name, results in _sent_together(handle).items():
+            assert all(r.batch_size <= len(KEY_GROUPS[name]) for r in results), name
+        assert handle.describe.remote().result(timeout_s=60).details["batching"]["mode"] == "request"
+    finally:
+        serve.delete("unet-request")
 
 
 def test_diffusion_provenance_names_seed_hash_switch_backend_model_batch(unet_invariant):
@@ -128,6 +145,7 @@ def test_diffusion_describe_reports_switch_kernels_and_the_config_it_runs(unet_i
     assert info.batch_invariant is True and info.kernels["installed"] is True and info.running is True
     assert "aten::convolution" in info.kernels["ops"]
     assert info.details["batching"]["max_batch_size"] == 4 and info.details["batching"]["max_queued"] == 8
+    assert info.details["batching"]["mode"] == "step"  # the step engine knows the tiny UNet pipeline
     assert info.details["defaults"] == {"num_inference_steps": 8, "guidance_scale": 5.0, "height": 64, "width": 64}
     assert (info.details["device"], info.details["torch_threads"]) == ("cpu", 1)
 

@@ -1,0 +1,57 @@
+"""One image being denoised: its request, its own scheduler, generator and latents, and what it shared."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts.sampling import DiffusionSamplingParams
+
+
+@dataclass(eq=False)
+class Sample:
+    prompt: str
+    params: DiffusionSamplingParams  # resolved: every field the model needs is set
+    on_done: Callable[[Any], None]  # called from the engine thread with the float image or an exception
+    on_partial: Callable[[int, Any], None] | None = None  # (partial index, float image) at `partial_steps`
+    partial_steps: tuple[int, ...] = ()
+    # Image edits: the init image, preprocessed by the pipeline's image processor, (1, 3, H, W); None: text-to-image.
+    image: Any = None
+    arrival: int = 0
+    cancelled: bool = False
+    # Set by the family when the sample joins.
+    scheduler: Any = None
+    step_kwargs: frozenset[str] = frozenset()
+    timesteps: Any = None
+    generator: Any = None
+    latents: Any = None
+    prediction: Any = None  # the scheduler's estimate of the final latents, after the last step (if it gives one)
+    conditioning: dict[str, Any] = field(default_factory=dict)
+    step: int = 0
+    # Provenance: the most samples that shared one of its forwards, and how many of its steps were shared.
+    largest_batch: int = 0
+    steps_co_batched: int = 0
+    # Forwards it waited through while others ran (ages it, so a long sample is never starved).
+    skipped: int = 0
+
+    @property
+    def cfg(self) -> bool:
+        """Classifier-free guidance, as the pipelines decide it."""
+        return self.params.guidance_scale > 1.0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.params.height, self.params.width)
+
+    @property
+    def timestep(self):
+        return self.timesteps[self.step]
+
+    @property
+    def remaining(self) -> int:
+        return len(self.timesteps) - self.step if self.timesteps is not None else self.params.num_inference_steps
+
+    @property
+    def finished(self) -> bool:
+        return self.timesteps is not None and self.step >= len(self.timesteps)

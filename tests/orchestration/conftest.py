@@ -1,0 +1,57 @@
+"""The app end to end, shared by the modules of this package: started once, the way the README shows.
+
+  "/"     both switches on, LLM 1 replica, diffusion 2 replicas (co-batching, reproduction, bad inputs,
+          the openai client, both replicas serving identical bytes)
+  "/off"  both switches off, the LLM scaled to zero (enhance_prompt=false only), a one-slot diffusion
+          queue (seedless requests served with their seed returned; 503 + Retry-After when full)
+"""
+
+import time
+
+import httpx
+import pytest
+
+STEPS = 4
+TIMEOUT_S = 180
+MAIN = {
+    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.3}, "torch_threads": 1},
+    "diffusion": {
+        "batch_invariant": True,
+        "num_replicas": 2,
+        "ray_actor_options": {"num_cpus": 0.3},
+        "max_batch_size": 4,
+        "batch_wait_timeout_s": 1.0,  # generous: concurrent requests must meet in one batch on a loaded box
+        "defaults": {"num_inference_steps": STEPS},
+    },
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+}
+OFF = {
+    "llm": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3},
+            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}},
+    "diffusion": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3}, "max_batch_size": 1,
+                  "max_queued": 1, "batch_wait_timeout_s": 0.0, "defaults": {"num_inference_steps": STEPS}},
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+}
+
+
+@pytest.fixture(scope="package")
+def server(serve_instance):
+    from ray import serve
+
+    from orchestration import build_app
+
+    started = time.monotonic()
+    serve.run(build_app(OFF), name="off", route_prefix="/off")
+    serve.run(build_app(MAIN), name="main", route_prefix="/")
+    print(f"apps running after {time.monotonic() - started:.1f} s")
+    try:
+        yield serve_instance
+    finally:
+        serve.delete("main")
+        serve.delete("off")
+
+
+@pytest.fixture(scope="package")
+def http(server):
+    with httpx.Client(base_url=server, timeout=TIMEOUT_S) as client:
+        yield client

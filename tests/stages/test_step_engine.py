@@ -1,0 +1,182 @@
+"""The step engine (stages.engine): samples join and leave between steps, and none of it changes a sample's bits.
+
+Real tiny pipelines (UNet and DiT), real kernels, the engine's own thread; no Ray. Each invariance check runs
+with the kernels on and, as its control, off: the same check must then fail, or it proves nothing.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from contracts.config import DiffusionStageConfig
+from contracts.sampling import DiffusionSamplingParams
+from stages.diffusion import DiffusionRenderer
+from stages.embedded import embedded_models
+from stages.engine import Sample, StepEngine
+from stages.kernels import disable_batch_invariant_kernels
+
+pytestmark = pytest.mark.slow
+UNET, DIT = embedded_models("diffusion")
+TARGET = ("a red fox in the snow", 42)
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module", params=[(UNET, True), (DIT, True), (UNET, False), (DIT, False)],
+                ids=["unet-on", "dit-on", "unet-control", "dit-control"])
+def engine(request):
+    model, invariant = request.param
+    disable_batch_invariant_kernels()
+    renderer = DiffusionRenderer(DiffusionStageConfig(model=model, batch_invariant=invariant, torch_threads=1))
+    engine = StepEngine(renderer.family, max_batch_size=8, torch_threads=1)
+    engine.renderer, engine.invariant = renderer, invariant
+    yield engine
+    engine.stop()
+    disable_batch_invariant_kernels()
+
+
+def params(engine, seed, **fields):
+    fields.setdefault("num_inference_steps", 4)
+    return engine.renderer.resolve(DiffusionSamplingParams(seed=seed, **fields), step_engine=True)
+
+
+def sample(engine, prompt, seed, **fields) -> Sample:
+    return Sample(prompt, params(engine, seed, **fields), on_done=None)
+
+
+def solo(engine, prompt, seed, **fields) -> np.ndarray:
+    return engine.render([sample(engine, prompt, seed, **fields)])[0]
+
+
+class Collector:
+    """Submits samples and collects their images, from the engine's thread."""
+
+    def __init__(self, engine):
+        self.engine, self.images, self.finished_order, self.done = engine, {}, [], threading.Condition()
+
+    def submit(self, name, s: Sample) -> Sample:
+        def on_done(result, name=name):
+            with self.done:
+                self.images[name] = result
+                self.finished_order.append(name)
+                self.done.notify_all()
+
+        s.on_done = on_done
+        return self.engine.submit(s)
+
+    def wait(self, names):
+        with self.done:
+            assert self.done.wait_for(lambda: all(n in self.images for n in names), WAIT_S), f"not finished: {names}"
+        for name in names:
+            assert not isinstance(self.images[name], BaseException), self.images[name]
+        return [self.images[n] for n in names]
+
+
+def after_forwards(engine, count):
+    deadline = time.monotonic() + WAIT_S
+    start = engine.forwards
+    while engine.forwards < start + count:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+
+
+def neighbours(engine, count, steps=8):
+    """Samples unlike the target: other prompts, seeds, steps, guidance, negative prompts, schedulers."""
+    schedulers = sorted(engine.renderer.family.SCHEDULERS)
+    variants = [{}, {"guidance_scale": 1.0}, {"negative_prompt": "blurry"}, {"guidance_scale": 9.5},
+                {"num_inference_steps": 2}, {"num_inference_steps": 6}, {}]
+    made = []
+    for i in range(count):
+        fields = {"num_inference_steps": steps, **variants[i % len(variants)], "scheduler": schedulers[i % len(schedulers)]}
+        made.append(sample(engine, f"neighbour {i}, a lighthouse at dusk", 100 + i, **fields))
+    return made
+
+
+def check(engine, equal: bool) -> None:
+    """The invariance verdict: with kernels on it must hold; the control must show it can fail."""
+    if engine.invariant:
+        assert equal
+    else:
+        assert not equal, "the control did not vary: this check could not fail"
+
+
+@pytest.mark.parametrize("batch", [2, 5, 8])
+def test_a_sample_cobatched_with_unlike_neighbours_gives_its_solo_bytes(engine, batch):
+    alone = solo(engine, *TARGET)
+    images = engine.render([sample(engine, *TARGET), *neighbours(engine, batch - 1, steps=4)])
+    equal = np.array_equal(images[0], alone)
+    check(engine, equal)
+
+
+def test_a_sample_joining_a_running_batch_midway_gives_its_solo_bytes(engine):
+    alone = solo(engine, *TARGET)
+    collector = Collector(engine)
+    running = [collector.submit(f"long {i}", s) for i, s in enumerate(neighbours(engine, 5, steps=12))]
+    after_forwards(engine, 3)
+    target = collector.submit("target", sample(engine, *TARGET))
+    (image,) = collector.wait(["target"])
+    collector.wait([f"long {i}" for i in range(5)])
+    assert target.largest_batch > 1 and target.steps_co_batched == 4
+    assert all(s.steps_co_batched > 0 for s in running)
+    check(engine, np.array_equal(image, alone))
+
+
+def test_samples_joining_and_leaving_during_its_steps_leave_its_bytes_alone(engine):
+    alone = solo(engine, *TARGET, num_inference_steps=10)
+    collector = Collector(engine)
+    target = collector.submit("target", sample(engine, *TARGET, num_inference_steps=10))
+    for wave in range(3):  # short neighbours arrive and finish while the target runs
+        for i, s in enumerate(neighbours(engine, 2, steps=2)):
+            collector.submit(f"wave {wave}.{i}", s)
+        after_forwards(engine, 2)
+    (image,) = collector.wait(["target"])
+    assert target.largest_batch >= 3
+    check(engine, np.array_equal(image, alone))
+
+
+def test_a_cancelled_sample_leaves_and_the_others_keep_their_bytes(engine):
+    alone = solo(engine, *TARGET, num_inference_steps=8)
+    collector = Collector(engine)
+    doomed = [collector.submit(f"doomed {i}", s) for i, s in enumerate(neighbours(engine, 3, steps=30))]
+    target = collector.submit("target", sample(engine, *TARGET, num_inference_steps=8))
+    after_forwards(engine, 2)
+    for s in doomed:
+        engine.cancel(s)
+    (image,) = collector.wait(["target"])
+    assert all(f"doomed {i}" not in collector.images for i in range(3)), "a cancelled sample was decoded"
+    assert all(s.step < 30 for s in doomed) and engine.load()["active"] == 0
+    assert target.largest_batch == 4
+    check(engine, np.array_equal(image, alone))
+
+
+def test_partial_images_do_not_change_the_final_bytes(engine):
+    plain = solo(engine, *TARGET, num_inference_steps=6)
+    partials = []
+    with_partials = sample(engine, *TARGET, num_inference_steps=6)
+    with_partials.partial_steps, with_partials.on_partial = (2, 4), lambda index, image: partials.append((index, image))
+    (final,) = engine.render([with_partials])
+    assert np.array_equal(final, plain)  # holds with or without the kernels: a partial is a decode on the side
+    assert [index for index, _ in partials] == [0, 1] and all(image.shape == final.shape for _, image in partials)
+    assert not np.array_equal(partials[0][1], final)
+
+
+def test_a_short_request_sent_while_a_long_batch_runs_finishes_first_and_shares_forwards(engine):
+    if not engine.invariant:
+        pytest.skip("scheduling, not bits: checked once, with the kernels on")
+    collector = Collector(engine)
+    for i in range(8):
+        collector.submit(f"long {i}", sample(engine, f"long {i}", i, num_inference_steps=32))
+    after_forwards(engine, 2)
+    short = collector.submit("short", sample(engine, "short", 99, num_inference_steps=4))
+    collector.wait(["short", *[f"long {i}" for i in range(8)]])
+    assert collector.finished_order[0] == "short" and short.largest_batch > 1
+
+
+def test_the_engine_keeps_nothing_per_request_key(engine):
+    if not engine.invariant:
+        pytest.skip("bookkeeping, not bits: checked once, with the kernels on")
+    samples = [sample(engine, "keys", i, num_inference_steps=1, guidance_scale=1.5 + i / 1000) for i in range(64)]
+    engine.render(samples)
+    assert engine.load()["waiting"] == 0 and engine.load()["active"] == 0
+    assert not [name for name, value in vars(engine).items() if isinstance(value, dict) and value]
