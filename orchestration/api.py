@@ -87,6 +87,11 @@ async def read_edit(request: Request) -> ImageEditRequest:
     return ImageEditRequest.from_form(fields)
 
 
+async def edit_images(ingress: Ingress, request: Request) -> ImagesResponse:
+    """OpenAI's image edits (image-to-image): the generation path, from the image of a multipart form."""
+    return await ingress.images(await read_edit(request))
+
+
 def build_api(ingress: Ingress) -> FastAPI:
     api = FastAPI(
         title="omniserve",
@@ -128,12 +133,7 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @api.post("/v1/images/edits", response_model=ImagesResponse, responses=ERRORS, openapi_extra=EDIT_BODY)
     async def images_edits(request: Request):
-        """OpenAI's image edits (image-to-image): a multipart form with one `image` file; `mask` is not supported."""
-
-        async def edit() -> ImagesResponse:
-            return await ingress.images(await read_edit(request))
-
-        return await respond(edit())
+        return await respond(edit_images(ingress, request))
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest):

@@ -2,9 +2,13 @@
 
 For each model, a target request runs solo and co-batched (target first, last, middle,
 reversed, shuffled, a neighbour's prompt mutated; batch sizes 1 to 8), with kernels off
-(the control) and on, through the stage's own renderer. Compared bit for bit: initial
-latents, final latents and decoded pixels. On a mismatch the audit names the first module
-whose output for the target diverges (forward hooks comparing per-sample outputs).
+(the control) and on, through one of the stage's two paths:
+  engine    the step engine that serves (`stages.engine`): the neighbours also differ in step count and
+            guidance, so they leave while the target runs on and share its forwards at other timesteps;
+  pipeline  the diffusers pipeline itself on a whole-request batch of one key (request-level batching).
+Compared bit for bit: initial latents, final latents and decoded pixels. On a mismatch on the pipeline
+path the audit names the first module whose output for the target diverges (forward hooks comparing
+per-sample outputs).
 """
 
 from __future__ import annotations
@@ -104,6 +108,42 @@ def render(renderer: DiffusionRenderer, requests: list[tuple[str, int]], params:
     return [Sample(captured["initial"][i], captured["final"][i], pixels[i]) for i in range(len(jobs))]
 
 
+#: Engine path: what each neighbour changes besides prompt and seed (step count as a fraction of the target's).
+ENGINE_VARIANTS = ({"steps": 0.5, "guidance_scale": 1.0}, {"steps": 1.5}, {"steps": 1.0, "guidance_scale": 9.0})
+
+
+def render_engine(renderer: DiffusionRenderer, requests: list[tuple[str, int]], params: DiffusionSamplingParams) -> list[Sample]:
+    """Run the requests through the step engine together; the target (the params' request) keeps `params`."""
+    from stages.engine import Sample as Item, StepEngine
+
+    engine = StepEngine(renderer.family, max_batch_size=len(requests), torch_threads=renderer.torch_threads)
+    items = []
+    for index, (prompt, seed) in enumerate(requests):
+        fields = {"seed": seed}
+        if (prompt, seed) != TARGET:
+            variant = dict(ENGINE_VARIANTS[index % len(ENGINE_VARIANTS)])
+            fields["num_inference_steps"] = max(1, round(params.num_inference_steps * variant.pop("steps")))
+            fields.update(variant)
+        items.append(Item(prompt, params.model_copy(update=fields), on_done=None))
+    initial: dict[int, torch.Tensor] = {}
+    prepare = renderer.family.prepare
+
+    def capture(item) -> None:
+        prepare(item)
+        initial[id(item)] = item.latents.detach().clone()
+
+    renderer.family.prepare = capture
+    try:
+        images = engine.render(items)
+    finally:
+        del renderer.family.prepare
+        engine.stop()
+    return [Sample(initial[id(item)][0], item.latents[0].detach().clone(), torch.from_numpy(image)) for item, image in zip(items, images)]
+
+
+RENDER_PATHS = {"engine": render_engine, "pipeline": render}
+
+
 def compare(reference: Sample, other: Sample) -> dict:
     counts = {}
     for name in ("initial_latents", "final_latents", "pixels"):
@@ -168,24 +208,27 @@ def audit_model(
     dtype: str = "float32",
     steps: int = 8,
     size: int = 64,
+    path: str = "engine",
     locate: bool = True,
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict], dict[str, list[Sample]]]:
     """All runs for one model; also returns (solo, co-batched) samples of the worst run per setting, for pictures."""
     runs, examples = [], {}
     plans = batches(batch_sizes, orderings)
+    render_path = RENDER_PATHS[path]
+    locate = locate and path == "pipeline"  # module hooks see one request's rows only on the pipeline path
     for setting in kernels:  # each setting starts from stock kernels
         renderer = stock_renderer(model, batch_invariant=setting == "on", dtype=dtype)
         params = renderer.resolve(DiffusionSamplingParams(seed=TARGET[1], num_inference_steps=steps, height=size, width=size))
-        solo = render(renderer, [TARGET], params)[0]
+        solo = render_path(renderer, [TARGET], params)[0]
         worst = (-1, None)
         for ordering, order, target in plans:
-            sample = render(renderer, order, params)[target]
+            sample = render_path(renderer, order, params)[target]
             counts = compare(solo, sample)
             run = {
                 "stage": "diffusion", "model": model, "kernels": setting, "ordering": ordering,
                 "batch_size": len(order), "target_position": target, "dtype": dtype,
-                "detail": f"{size}x{size}, {steps} steps", **counts,
+                "detail": f"{size}x{size}, {steps} steps, {path}", "path": path, **counts,
             }
             # Locating costs two traced renders: do it for every failure with kernels on, and once
             # per model for the control (where every arrangement diverges at the same place).
