@@ -4,6 +4,7 @@
     sampling    sampling params (diffusion, LLM) and every bound on their fields
     invariance  the tri-state switch and the seed contract
     admission   the checks every request passes (at the ingress and again in each stage)
+    images      an edit's input image: its bounds, decoding and size rule
     config      one typed config per deployment
     results     what the stages hand back
     http        the HTTP API's request and response schemas

@@ -353,7 +353,10 @@ class DiffusionStage:
 
     async def generate(self, prompt: str, params: Mapping | DiffusionSamplingParams | None = None) -> RenderedImage:
         """Render one image: PNG bytes, their sha256 and provenance."""
-        return await self._render(self.admit(prompt, params or {}))
+        job = self.admit(prompt, params or {})
+        if job.params.strength is not None:  # never silently ignored
+            raise InvalidRequestError("strength applies to edits (an input image) only", param="strength", code="unsupported_value")
+        return await self._render(job)
 
     def admit_edit(self, prompt: Any, image: Any, params: Any) -> Job:
         """Validate one edit into a Job with its init image (`contracts.images`), or raise InvalidRequestError.

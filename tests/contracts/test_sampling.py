@@ -99,7 +99,7 @@ def test_from_params_keeps_every_caller_field_and_the_callers_seed():
     fields = dict(seed=17, num_inference_steps=3, guidance_scale=2.5, height=128, width=64,
                   negative_prompt="blurry", generator_device="cpu", latents=[[0.25]], sigmas=[1.0, 0.5])
     params = DiffusionSamplingParams.from_params(fields)
-    assert params.model_dump() == fields
+    assert params.model_dump(exclude_unset=True) == fields and params.scheduler is None and params.strength is None
     updated = DiffusionSamplingParams.from_params(params, num_inference_steps=5)
     assert updated.seed == 17 and updated.num_inference_steps == 5 and updated.sigmas == [1.0, 0.5]
 

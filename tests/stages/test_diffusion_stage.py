@@ -193,6 +193,7 @@ def test_diffusion_two_replicas_and_a_restarted_replica_return_identical_bytes(s
         ("a fox", {"seed": 1, "height": 1024, "width": 1024}, "size", "out_of_range"),
         ("a fox", {"seed": 1, "num_inference_steps": 51}, "num_inference_steps", "out_of_range"),
         ("a fox", {"seed": 1, "num_images_per_prompt": 2}, "num_images_per_prompt", "extra_forbidden"),
+        ("a fox", {"seed": 1, "strength": 0.5}, "strength", "unsupported_value"),
         ("a fox", [("seed", 1)], "params", "invalid_type"),
         ("", {"seed": 1}, "prompt", "empty_prompt"),
         (7, {"seed": 1}, "prompt", "string_type"),
