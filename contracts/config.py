@@ -137,5 +137,9 @@ class IngressConfig(DeploymentConfig):
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     # Seconds a /health probe waits for each stage's describe().
     health_timeout_s: Annotated[float, Field(gt=0)] = 10.0
-    # Bound on one HTTP request end to end (both stages, all images); past it: 504.
+    # Bound on one HTTP request end to end (both stages, all images, retries included); past it: 504.
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    # A stage call that failed for an infrastructure reason (replica, actor, node or engine gone) is sent again,
+    # to another replica: this many attempts in all (1: never), `retry_backoff_s` x attempt apart.
+    retry_attempts: Annotated[int, Field(ge=1, le=10)] = 4
+    retry_backoff_s: Annotated[float, Field(ge=0)] = 0.5

@@ -32,7 +32,7 @@ class HTTPError:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _cause(exc: BaseException) -> BaseException:
+def cause_of(exc: BaseException) -> BaseException:
     """The replica's own exception inside Ray's wrapper (RayTaskError keeps it as `.cause`)."""
     from ray.exceptions import RayTaskError
 
@@ -57,7 +57,7 @@ def http_error(exc: BaseException) -> HTTPError:
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
     from starlette.exceptions import HTTPException
 
-    exc = _cause(exc)
+    exc = cause_of(exc)
     if isinstance(exc, QueueFullError):
         return HTTPError(503, exc.error_type, exc.message, exc.param, exc.code, _retry_after(exc.retry_after_s))
     if isinstance(exc, OmniError):
@@ -76,7 +76,9 @@ def http_error(exc: BaseException) -> HTTPError:
         return HTTPError(exc.status_code, kind, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
     if isinstance(exc, TimeoutError):
         return HTTPError(504, "timeout", "the request did not finish within the server's time limit", code="timeout")
-    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError)):
+    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError)) or (
+        type(exc).__name__ in ("EngineDeadError", "NodeDiedError")  # vLLM's engine core, or a node, is gone
+    ):
         return HTTPError(503, "server_unavailable", "a stage is unavailable; retry shortly", code="stage_unavailable",
                          headers=_retry_after(5))
     logger.exception("unexpected error while serving a request", exc_info=exc)

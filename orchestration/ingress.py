@@ -26,6 +26,7 @@ from .config import AppConfig
 from .health import HealthProbe, HealthResponse
 from .pipeline import ImagePipeline, admit_chat, admit_edit, admit_images
 from .responses import chat_response, images_response
+from .retries import Retrying
 
 
 @serve.deployment
@@ -36,7 +37,8 @@ class Ingress:
     def __init__(self, llm, diffusion, config: AppConfig):
         self.config = config
         self.handles = {"llm": llm, "diffusion": diffusion}
-        self.pipeline = ImagePipeline(llm, diffusion)
+        self.retrying = Retrying(config.ingress.retry_attempts, config.ingress.retry_backoff_s)
+        self.pipeline = ImagePipeline(llm, diffusion, self.retrying)
         self.probe = HealthProbe(self.handles, config)
         self._served_models: dict[str, str] = {}
 
@@ -58,7 +60,7 @@ class Ingress:
             await self.check_model("llm", request.model)
         params = admit_chat(request, self.config)
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        result = await self.handles["llm"].chat.remote(messages, params)
+        result = await self.retrying.call("a chat completion", lambda: self.handles["llm"].chat.remote(messages, params))
         return chat_response(result, seed=params.seed, with_logprobs=bool(request.logprobs),
                              batch_invariant=self.config.switches["llm"])
 
@@ -67,7 +69,9 @@ class Ingress:
         return ModelList(data=[ModelCard(id=await self.served_model(stage), created=created, stage=stage) for stage in STAGES])
 
     async def health(self) -> HealthResponse:
-        return await self.probe.report()
+        report = await self.probe.report()
+        report.ingress["retried_calls"] = self.retrying.retried  # stage calls sent again after an infrastructure failure
+        return report
 
     async def served_model(self, stage: str) -> str:
         if stage not in self._served_models:

@@ -24,6 +24,7 @@ from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import pick_seed, seeds_for_request
 
 from .config import AppConfig
+from .retries import Retrying
 
 
 @dataclass(frozen=True)
@@ -83,20 +84,21 @@ def admit_chat(request: ChatCompletionRequest, config: AppConfig) -> LLMSampling
 class ImagePipeline:
     """Calls the stages through their DeploymentHandles; only contracts types cross."""
 
-    def __init__(self, llm, diffusion):
+    def __init__(self, llm, diffusion, retrying: Retrying):
         self.llm = llm
         self.diffusion = diffusion
+        self.retrying = retrying
 
     async def image(self, prompt: str, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams,
                     init_image: bytes | None = None) -> ImageResult:
         rewrite = None
         if llm_params is not None:
-            rewrite = await self.llm.enhance.remote(prompt, llm_params)
+            rewrite = await self.retrying.call("the LLM stage's rewrite", lambda: self.llm.enhance.remote(prompt, llm_params))
             prompt = rewrite.revised_prompt
         if init_image is None:
-            image = await self.diffusion.generate.remote(prompt, params)
+            image = await self.retrying.call("a render", lambda: self.diffusion.generate.remote(prompt, params))
         else:
-            image = await self.diffusion.edit.remote(prompt, init_image, params)
+            image = await self.retrying.call("an edit", lambda: self.diffusion.edit.remote(prompt, init_image, params))
         return ImageResult(revised_prompt=prompt, image=image, rewrite=rewrite)
 
     async def run(self, plan: ImagePlan) -> list[ImageResult]:

@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import inspect
 import io
+import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -420,7 +421,7 @@ class DiffusionStage:
             kernel_backend=self.renderer.kernels.backend,
             kernels=self.renderer.kernels.to_dict(),
             running=self.batching.alive,
-            details={"device": self.renderer.device, "torch_threads": self.renderer.torch_threads,
+            details={"device": self.renderer.device, "torch_threads": self.renderer.torch_threads, "pid": os.getpid(),
                      "defaults": dict(self.renderer.defaults), "batching": batching},
         )
 

@@ -1,0 +1,54 @@
+"""Idempotent retries: a stage call that failed for an infrastructure reason is sent again, to another replica.
+
+A request's bytes are a pure function of its params and seed (both stages run with the image's own seed, and
+the kernels make the batch irrelevant), so re-running a call on another replica gives exactly the bytes the
+client would have got from the first one. Ray Serve does not retry in-flight calls; the ingress does, for
+failures of the infrastructure only (a replica or its actor died, a node died, a replica is unavailable, the
+LLM engine inside a replica is dead), a bounded number of times, inside the request's own deadline. A client
+error is never retried. With a stage's invariance off a retry is still a sample of the same seed, but it may
+be batched differently and so differ in the last bits from what the first attempt would have returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from .errors import cause_of
+
+logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
+#: Failures inside a replica that mean "this replica cannot serve", not "this request is wrong".
+DEAD_ENGINE_ERRORS = frozenset({"EngineDeadError", "EngineGenerateError"})
+
+
+def is_infrastructure_failure(exc: BaseException) -> bool:
+    from ray.exceptions import ActorUnavailableError, NodeDiedError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    exc = cause_of(exc)
+    infrastructure = (RayActorError, ActorUnavailableError, NodeDiedError, DeploymentUnavailableError)
+    return isinstance(exc, infrastructure) or type(exc).__name__ in DEAD_ENGINE_ERRORS
+
+
+class Retrying:
+    """Sends a call again after an infrastructure failure: `attempts` in all, waiting `backoff_s` x attempt between."""
+
+    def __init__(self, attempts: int, backoff_s: float):
+        self.attempts, self.backoff_s = attempts, backoff_s
+        self.retried = 0  # calls sent again since start, for /health
+
+    async def call(self, what: str, send: Callable[[], Awaitable[T]]) -> T:
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return await send()
+            except Exception as exc:
+                if attempt == self.attempts or not is_infrastructure_failure(exc):
+                    raise
+                self.retried += 1
+                logger.warning("%s failed (%s); sending it again (attempt %d of %d)", what, type(cause_of(exc)).__name__,
+                               attempt + 1, self.attempts)
+                await asyncio.sleep(self.backoff_s * attempt)
+        raise AssertionError("unreachable")

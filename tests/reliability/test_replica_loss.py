@@ -1,0 +1,90 @@
+"""A diffusion replica killed (SIGKILL) under load: no request is lost, every image keeps its bytes.
+
+The ingress sends a call that failed because its replica died to another replica (orchestration.retries);
+the bytes are a pure function of params and seed, so the retried image equals the one the client would have
+got. Real Ray, real Serve, real HTTP on loopback; the replica's process is killed by its own pid.
+"""
+
+import asyncio
+import base64
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REQUESTS, CONCURRENCY, KILL_AFTER_S = 160, 16, 3.0
+APP = {
+    # The LLM stage is not used here (enhance_prompt false): scaled to zero, it costs nothing.
+    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.1},
+            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}},
+    "diffusion": {"batch_invariant": True, "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.4},
+                  "defaults": {"num_inference_steps": 2}, "health_check_period_s": 1, "health_check_timeout_s": 10},
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "request_timeout_s": 120},
+}
+
+
+@pytest.fixture(scope="module")
+def app(serve_instance):
+    from ray import serve
+
+    from orchestration import build_app
+
+    serve.run(build_app(APP), name="replica-loss", route_prefix="/replica-loss")
+    try:
+        yield f"{serve_instance}/replica-loss"
+    finally:
+        serve.delete("replica-loss")
+
+
+def body(i: int) -> dict:
+    return {"prompt": f"request {i}", "seed": i, "size": "64x64", "enhance_prompt": False}
+
+
+async def load(url: str, during=None) -> list[httpx.Response]:
+    """REQUESTS requests at CONCURRENCY; `during()` runs KILL_AFTER_S after the load started."""
+    gate = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+
+        async def one(i):
+            async with gate:
+                return await client.post("/v1/images/generations", json=body(i))
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(REQUESTS)]
+        if during is not None:
+            await asyncio.sleep(KILL_AFTER_S)
+            await asyncio.to_thread(during)
+        return await asyncio.gather(*tasks)
+
+
+def replica_pids() -> set[int]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("DiffusionStage", app_name="replica-loss")
+    return {handle.describe.remote().result(timeout_s=30).details["pid"] for _ in range(12)}
+
+
+def test_killing_one_of_two_diffusion_replicas_under_load_loses_no_request_and_changes_no_byte(app):
+    reference = asyncio.run(load(app))
+    assert all(r.status_code == 200 for r in reference), [r.text for r in reference if r.status_code != 200][:3]
+    expected = [r.json()["data"][0]["sha256"] for r in reference]
+    pids = replica_pids()
+    assert len(pids) == 2, pids
+    victim = sorted(pids)[0]
+
+    under_fault = asyncio.run(load(app, during=lambda: os.kill(victim, signal.SIGKILL)))
+    failed = [(i, r.status_code, r.text[:200]) for i, r in enumerate(under_fault) if r.status_code != 200]
+    assert not failed, failed
+    got = [r.json()["data"][0] for r in under_fault]
+    assert [item["sha256"] for item in got] == expected
+    assert all(base64.b64decode(item["b64_json"]).startswith(b"\x89PNG") for item in got)
+    health = httpx.get(f"{app}/health", timeout=60).json()
+    assert health["ingress"]["retried_calls"] > 0, "no call was retried: the replica died after the load"
+    # Serve replaces the dead replica: two distinct live processes again, the victim not among them.
+    deadline = time.monotonic() + 120
+    while (pids_now := replica_pids()) and (victim in pids_now or len(pids_now) < 2):
+        assert time.monotonic() < deadline, pids_now
+        time.sleep(1)
