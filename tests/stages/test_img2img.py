@@ -23,8 +23,8 @@ from stages.engine import Sample
 from stages.engine.families import DiTFamily, UNetFamily
 from stages.engine.img2img import edit_steps
 
-# The step engine's own four engines (UNet and DiT, kernels on and off: the control) and its invariance verdict.
-from .test_step_engine import check, engine  # noqa: F401
+# The invariance verdict of the step-engine tests; the engines are the `engine` fixture (tests/stages/conftest.py).
+from .test_step_engine import check
 
 pytestmark = pytest.mark.slow
 UNET, DIT = embedded_models("diffusion")

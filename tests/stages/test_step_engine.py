@@ -1,6 +1,7 @@
 """The step engine (stages.engine): samples join and leave between steps, and none of it changes a sample's bits.
 
-Real tiny pipelines (UNet and DiT), real kernels, the engine's own thread; no Ray. Each invariance check runs
+Real tiny pipelines (UNet and DiT), real kernels, the engine's own thread; no Ray. The engines are the
+`engine` fixture of tests/stages/conftest.py. Each invariance check runs
 with the kernels on and, as its control, off: the same check must then fail, or it proves nothing.
 """
 
@@ -10,30 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from contracts.config import DiffusionStageConfig
 from contracts.sampling import DiffusionSamplingParams
-from stages.diffusion import DiffusionRenderer
-from stages.embedded import embedded_models
-from stages.engine import Sample, StepEngine
-from stages.kernels import disable_batch_invariant_kernels
+from stages.engine import Sample
 
 pytestmark = pytest.mark.slow
-UNET, DIT = embedded_models("diffusion")
 TARGET = ("a red fox in the snow", 42)
 WAIT_S = 120
-
-
-@pytest.fixture(scope="module", params=[(UNET, True), (DIT, True), (UNET, False), (DIT, False)],
-                ids=["unet-on", "dit-on", "unet-control", "dit-control"])
-def engine(request):
-    model, invariant = request.param
-    disable_batch_invariant_kernels()
-    renderer = DiffusionRenderer(DiffusionStageConfig(model=model, batch_invariant=invariant, torch_threads=1))
-    engine = StepEngine(renderer.family, max_batch_size=8, torch_threads=1)
-    engine.renderer, engine.invariant = renderer, invariant
-    yield engine
-    engine.stop()
-    disable_batch_invariant_kernels()
 
 
 def params(engine, seed, **fields):

@@ -1,0 +1,25 @@
+"""Fixtures shared by the stage tests."""
+
+import pytest
+
+from contracts.config import DiffusionStageConfig
+from stages.diffusion import DiffusionRenderer
+from stages.embedded import embedded_models
+from stages.engine import StepEngine
+from stages.kernels import disable_batch_invariant_kernels
+
+UNET, DIT = embedded_models("diffusion")
+
+
+@pytest.fixture(scope="module", params=[(UNET, True), (DIT, True), (UNET, False), (DIT, False)],
+                ids=["unet-on", "dit-on", "unet-control", "dit-control"])
+def engine(request):
+    """A step engine on each tiny pipeline, kernels on and off (the control); `engine.invariant` says which."""
+    model, invariant = request.param
+    disable_batch_invariant_kernels()
+    renderer = DiffusionRenderer(DiffusionStageConfig(model=model, batch_invariant=invariant, torch_threads=1))
+    engine = StepEngine(renderer.family, max_batch_size=8, torch_threads=1)
+    engine.renderer, engine.invariant = renderer, invariant
+    yield engine
+    engine.stop()
+    disable_batch_invariant_kernels()
