@@ -33,6 +33,8 @@ class DeploymentConfig(_Config):
     max_ongoing_requests: Annotated[int, Field(ge=1)] = 64
     # Serve's own back-pressure: past this many queued calls a caller gets BackPressureError (503).
     max_queued_requests: Annotated[int, Field(ge=1)] = 128
+    # At most this many replicas per node (None: no bound): spreads replicas over nodes, so a node lost takes one.
+    max_replicas_per_node: Annotated[int, Field(ge=1)] | None = None
     health_check_period_s: Annotated[float, Field(gt=0)] = 10.0
     health_check_timeout_s: Annotated[float, Field(gt=0)] = 30.0
 
@@ -56,6 +58,8 @@ class DeploymentConfig(_Config):
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
         }
+        if self.max_replicas_per_node is not None:
+            options["max_replicas_per_node"] = self.max_replicas_per_node
         if self.autoscaling_config is not None:
             options["autoscaling_config"] = dict(self.autoscaling_config)
         else:
@@ -120,6 +124,9 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     batching: Literal["step", "request"] = "step"
     defaults: DiffusionDefaults = Field(default_factory=DiffusionDefaults)
     warm_up: bool = True
+    # The health check fails (and Serve replaces the replica) when one step of the step engine, or one whole
+    # batch with request batching, has run longer than this: the compute thread is stuck. Generous for CPUs.
+    stuck_after_s: Annotated[float, Field(gt=0)] = 600.0
 
     @field_validator("defaults", mode="before")
     @classmethod

@@ -28,7 +28,8 @@ def serve_instance():
     from ray import serve
 
     port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="omniserve-tests")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="omniserve-tests",
+             _node_ip_address="127.0.0.1")  # Ray's own traffic stays on the loopback too
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"

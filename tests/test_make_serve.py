@@ -58,7 +58,8 @@ def test_make_serve_serves_the_example_app_with_both_switches_on(tmp_path):
     if port_in_use(8000):
         pytest.skip("port 8000 is taken on this machine: make serve binds it")
     log = tmp_path / "make-serve.log"
-    env = {**os.environ, "RAY_ADDRESS": "local"}
+    # A Ray instance of its own, on the loopback address (Ray's single-machine mode, as on macOS and Windows).
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     for name in ("OMNI_LLM_BATCH_INVARIANT", "OMNI_DIFFUSION_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT"):
         env.pop(name, None)  # the Makefile's defaults: both on
     with log.open("w") as out:

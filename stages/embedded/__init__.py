@@ -12,6 +12,7 @@ and reuse them. Building is deterministic: the same seed and library versions gi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,6 +22,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from contracts.envs import cache_root
+from stages.trust import UntrustedCacheError, distrust, ours_to_replace
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODELS", "EMBEDDED_MODELS", "EmbeddedModel", "MARKER", "build_cached", "cache_root", "embedded_models"]
 
@@ -64,10 +68,17 @@ def build_cached(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
 
     The build happens in a temporary directory beside the target; the record is written last as MARKER,
     then one atomic rename: a concurrent process sees all of it or nothing. A directory without the marker
-    (a crash mid-build) is never trusted: it is replaced.
+    (a crash mid-build) is never trusted: it is replaced. Nor is one that another user owns or could write
+    (`stages.trust`): it is rebuilt when it is this user's to replace, else refused.
     """
     if is_built(target):
-        return target
+        reason = distrust(target) or distrust(target / MARKER)
+        if reason is None:
+            return target
+        if not ours_to_replace(target):
+            raise UntrustedCacheError(f"refusing the cached model at {target}: {reason}")
+        logger.warning("rebuilding the cached model at %s: %s", target, reason)
+        shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp's 0700 would hide the cache from replicas running as another user

@@ -7,13 +7,16 @@ shared library, not a Python extension: it only registers aten kernels, through 
 `torch::Library` objects it owns, so removing them restores the stock kernels exactly.
 `make` builds it during set-up, so servers and tests
 find it ready; concurrent first builds (several replicas) each write their own temporary
-file and rename it into place.
+file and rename it into place. A cached library is loaded only if this user owns it (and its
+directory), nobody else can write to them, and its sha256 is the one its build recorded
+beside it; else it is rebuilt, or refused when it is not this user's to replace.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shlex
 import subprocess
@@ -23,6 +26,9 @@ from pathlib import Path
 import torch
 
 from contracts import envs
+from stages.trust import distrust, ours_to_replace
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("blocked.cpp")
 #: Every op blocked.cpp can replace, and the subset vLLM's CUDA mode leaves out.
@@ -60,12 +66,41 @@ def library_path() -> Path:
     return envs.cache_root() / "kernels" / f"blocked-{digest.hexdigest()[:16]}.so"
 
 
+def _record(path: Path) -> Path:
+    """Where a build records the sha256 of what it wrote."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _why_not_use(path: Path) -> str | None:
+    """Why the cached library must not be loaded (None: it may): trust, then its content against its record."""
+    for part in (path.parent, path, _record(path)):
+        if not part.exists():
+            return f"{part} is missing"
+        reason = distrust(part)
+        if reason:
+            return reason
+    if _record(path).read_text().strip() != _sha256(path):
+        return f"{path}'s content differs from what its build recorded"
+    return None
+
+
 def build() -> Path:
-    """The compiled library, compiling it if it is not cached yet."""
+    """The compiled library: the cached one if it is trusted and intact, else compiled now (or refused)."""
     path = library_path()
     if path.exists():
-        return path
+        reason = _why_not_use(path)
+        if reason is None:
+            return path
+        if not ours_to_replace(path) or distrust(path.parent):
+            raise KernelBuildError(f"refusing the cached kernel library: {reason}")
+        logger.warning("rebuilding the kernel library: %s", reason)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if distrust(path.parent):
+        raise KernelBuildError(f"refusing to build the kernel library there: {distrust(path.parent)}")
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     command = _command(SOURCE, partial)
     try:
@@ -76,7 +111,10 @@ def build() -> Path:
         partial.unlink(missing_ok=True)
         tail = (done.stderr or done.stdout).strip()[-2000:]
         raise KernelBuildError(f"compiling {SOURCE.name} failed ({shlex.join(command[:1])} exit {done.returncode}):\n{tail}")
+    record = partial.with_name(partial.name + ".sha256")
+    record.write_text(_sha256(partial) + "\n")
     os.replace(partial, path)
+    os.replace(record, _record(path))
     return path
 
 
