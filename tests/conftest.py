@@ -7,9 +7,14 @@ Tests that use it are marked `slow` (they start Ray, vLLM or a pipeline).
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
+
+# Ray's single-machine mode: every address Ray binds and dials is the loopback, here and in every process the
+# tests start (read when ray is first imported, which is after this file).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def free_port() -> int:

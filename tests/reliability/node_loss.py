@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import sys
 import time
@@ -31,7 +32,7 @@ APP = {
     "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.1},
             "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}},
     "diffusion": {"batch_invariant": True, "num_replicas": 2, "max_replicas_per_node": 1,
-                  "ray_actor_options": {"num_cpus": 0.5}, "defaults": {"num_inference_steps": 2},
+                  "ray_actor_options": {"num_cpus": 0.5}, "defaults": {"num_inference_steps": 6},
                   "health_check_period_s": 1, "health_check_timeout_s": 10},
     # The ingress stays on the head node (beside Serve's one HTTP proxy): this scenario loses a diffusion node.
     "ingress": {"ray_actor_options": {"num_cpus": 0.1, "resources": {"head": 0.01}}, "request_timeout_s": 90,
@@ -39,6 +40,8 @@ APP = {
 }
 REQUESTS, CONCURRENCY, REMOVE_AFTER_S, CLIENT_TIMEOUT_S = 120, 12, 2.0, 120
 LOOPBACK = "127.0.0.1"
+# Ray's single-machine mode: every address it binds and dials is the loopback (read when ray is imported).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def free_port() -> int:
@@ -48,7 +51,8 @@ def free_port() -> int:
 
 
 def body(i: int) -> dict:
-    return {"prompt": f"node loss {i}", "seed": i, "size": "64x64", "enhance_prompt": False}
+    # Large enough that each replica has calls in flight when its node goes.
+    return {"prompt": f"node loss {i}", "seed": i, "size": "128x128", "enhance_prompt": False}
 
 
 async def load(url: str, during=None) -> list[tuple[int, dict | str, float]]:
