@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from .admission import DiffusionLimits
-from .sampling import GuidanceScale, LLMSamplingParams, Side, Steps
+from .errors import InvalidRequestError
+from .sampling import DiffusionSamplingParams, GuidanceScale, LLMSamplingParams, Side, Steps
 
 
 class _Config(BaseModel):
@@ -127,6 +128,21 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     # The health check fails (and Serve replaces the replica) when one step of the step engine, or one whole
     # batch with request batching, has run longer than this: the compute thread is stuck. Generous for CPUs.
     stuck_after_s: Annotated[float, Field(gt=0)] = 600.0
+
+    # One request's work, images x steps x pixels, at most this (8 images of 512x512 at 50 steps by default);
+    # fields a request leaves out count at their configured default, or at the limit when none is configured.
+    max_request_work: Annotated[int, Field(ge=1)] = 8 * 50 * 512 * 512
+
+    def check_request_work(self, images: int, params: DiffusionSamplingParams) -> None:
+        """Refuse a request whose images x steps x pixels exceed `max_request_work` (a 400 naming `n`)."""
+        steps = params.num_inference_steps or self.defaults.num_inference_steps or self.max_inference_steps
+        height, width = params.height or self.defaults.height, params.width or self.defaults.width
+        pixels = height * width if height and width else self.max_pixels
+        if images * steps * pixels > self.max_request_work:
+            raise InvalidRequestError(
+                f"{images} image(s) x {steps} steps x {pixels} pixels exceeds this server's limit of "
+                f"{self.max_request_work} pixel-steps per request; ask for fewer images, steps or pixels",
+                param="n", code="out_of_range")
 
     @field_validator("defaults", mode="before")
     @classmethod

@@ -51,6 +51,7 @@ def admit_images(request: ImageGenerationRequest, config: AppConfig) -> ImagePla
     """Apply the serving limits and the seed contract (as sent: a missing seed is refused under invariance)."""
     asked = request.diffusion_params(request.seed)
     config.diffusion.check_limits(asked)
+    config.diffusion.check_request_work(request.count, asked)
     admit_diffusion_params(asked, batch_invariant=config.switches["diffusion"])
     seed = request.seed if request.seed is not None else pick_seed()
     seeds = seeds_for_request(seed, request.count)

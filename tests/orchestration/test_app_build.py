@@ -213,3 +213,18 @@ def test_chat_admission_follows_the_llm_switch():
     assert admit_chat(chat, settings(llm=False)).seed is not None  # picked, so it can be reported
     greedy = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "temperature": 0})
     assert admit_chat(greedy, settings(llm=True)).seed is None  # greedy draws no random numbers
+
+
+def capped(**diffusion) -> AppConfig:
+    return AppConfig.model_validate({"diffusion": {"batch_invariant": True, **diffusion}}).with_resolved_switches()
+
+
+def test_admission_caps_one_requests_work_images_x_steps_x_pixels():
+    capped_64 = capped(max_request_work=4 * 8 * 64 * 64, defaults={"num_inference_steps": 8})
+    admit_images(image_request(seed=1, n=4, size="64x64"), capped_64)  # exactly the cap
+    with pytest.raises(InvalidRequestError) as caught:
+        admit_images(image_request(seed=1, n=5, size="64x64"), capped_64)
+    assert caught.value.param == "n" and "pixel-steps" in caught.value.message
+    with pytest.raises(InvalidRequestError):  # a left-out size counts at the limit when no default is configured
+        admit_images(image_request(seed=1, n=1), capped(max_request_work=100))
+    admit_images(image_request(seed=1, n=8, size="512x512", num_inference_steps=50), settings())  # the default cap
