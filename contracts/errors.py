@@ -46,6 +46,18 @@ class ModelNotFoundError(InvalidRequestError):
     status_code = 404
 
 
+class PayloadTooLargeError(InvalidRequestError):
+    """A body (or an image in it) over its documented size limit (413); refused before it is parsed."""
+
+    status_code = 413
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A body of a content type the route does not take (415)."""
+
+    status_code = 415
+
+
 class QueueFullError(OmniError):
     """A bounded queue is full; the client should retry later (503 with Retry-After)."""
 
@@ -69,16 +81,35 @@ def _rebuild_queue_full(message, param, code, retry_after_s):
 # Union members add their type to the location ("seed.int"); the client's field is what matters.
 _UNION_TAG = re.compile(r"^(int|str|float|bool|bytes|none|constrained-\w+|(list|dict|function-\w+|json-or-python)\[.*\])$")
 # Our own validators word their message for the client already.
-_WORDED = {"unsupported_field", "unsupported_value", "invalid_value", "invalid_size", "empty_prompt"}
+_WORDED = {"unsupported_field", "unsupported_value", "invalid_value", "invalid_size", "empty_prompt", "too_deep", "too_many_values"}
+
+
+def _location(error: dict, root: tuple[str, ...]) -> list[str]:
+    loc = [str(part) for part in error.get("loc", ())]
+    if tuple(loc[: len(root)]) == root:
+        loc = loc[len(root):]
+    return [part for part in loc if not _UNION_TAG.match(part)]
+
+
+def _most_telling(errors: list[dict], root: tuple[str, ...]) -> dict:
+    """The first error, unless it only says the input is not one union member's type while another member's error
+    on the same field says more: a problem inside the value, or not of type (`stop: [""]`: an empty string in a
+    list, not "not a string")."""
+    first = errors[0]
+    tagged = any(_UNION_TAG.match(str(part)) for part in first.get("loc", ()))
+    if tagged and first["type"].endswith("_type"):
+        field = _location(first, root)
+        for other in errors[1:]:
+            where = _location(other, root)
+            if where[: len(field)] == field and (len(where) > len(field) or not other["type"].endswith("_type")):
+                return other
+    return first
 
 
 def describe_validation_error(errors: list[dict], *, root: tuple[str, ...] = ()) -> tuple[str, str | None, str]:
     """(message, param, code) for the first problem of a pydantic error list; `root` is a location prefix to drop."""
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ())]
-    if tuple(loc[: len(root)]) == root:
-        loc = loc[len(root):]
-    loc = [part for part in loc if not _UNION_TAG.match(part)]
+    first = _most_telling(errors, root)
+    loc = _location(first, root)
     param = ".".join(loc) or None
     kind, message = first["type"], first["msg"]
     if kind == "extra_forbidden":

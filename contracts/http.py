@@ -1,37 +1,45 @@
 """The HTTP API's request and response schemas (OpenAI Images and Chat Completions, plus extensions).
 
-Requests are strict (no coercion: `true`, `1.0` and `"1"` are not seeds) and refuse unknown fields, so
-every client mistake is a 400 that names the field. OpenAI fields this server cannot honour are refused
-by name with the reason, never silently ignored. The ingress hands these models to FastAPI as typed
-bodies, so `/openapi.json` documents them; every bound comes from `contracts.sampling`.
+Requests are strict (no coercion: `true`, `1.0` and `"1"` are not seeds), bounded in every field and refuse
+unknown fields, so every client mistake is a 400 that names the field. OpenAI fields this server cannot honour
+are refused by name with the reason, never silently ignored. The ingress hands these models to FastAPI as typed
+bodies, so `/openapi.json` documents them; every bound comes from `contracts.sampling`. Before a body is parsed,
+`BODY_RULES` refuse it by its content type (415) and its size (413), and `decode_json` by its encoding or a
+duplicate key (400).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import re
+from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from .errors import InvalidRequestError, invalid_request
+from .errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError, invalid_request
+from .images import MAX_IMAGE_BYTES
 from .results import Usage
 from .sampling import (
+    MAX_LATENT_VALUES,
     MAX_SIDE,
     MIN_SIDE,
     SIDE_MULTIPLE,
+    Contract,
     DiffusionSamplingParams,
     GuidanceScale,
+    Latents,
     LLMSamplingParams,
     Logprobs,
     MaxTokens,
     Messages,
     MinP,
     MinTokens,
-    NestedFloats,
+    Name,
     Penalty,
     Prompt,
     PromptText,
@@ -40,6 +48,7 @@ from .sampling import (
     Sigmas,
     Steps,
     StopList,
+    StopText,
     Strength,
     Temperature,
     TopK,
@@ -48,7 +57,7 @@ from .sampling import (
 from .seeds import Seed
 
 MAX_IMAGES = 8
-_SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+_SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits only (`\d` would take any script's digits)
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -103,13 +112,13 @@ class ImageGenerationRequest(_Request):
     WHOLE = "images"
 
     prompt: Prompt
-    model: StrictStr | None = None
+    model: Name | None = None
     n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] | None = None
-    size: StrictStr | None = None
-    response_format: StrictStr | None = None
-    output_format: StrictStr | None = None
+    size: Name | None = None
+    response_format: Name | None = None
+    output_format: Name | None = None
     stream: StrictBool | None = None
-    user: StrictStr | None = None  # OpenAI's end-user tag: accepted, not used
+    user: Name | None = None  # OpenAI's end-user tag: accepted, not used
     # Extensions (pass them through the openai client's `extra_body`).
     seed: Seed | None = None
     num_inference_steps: Steps | None = None
@@ -118,8 +127,8 @@ class ImageGenerationRequest(_Request):
     scheduler: SchedulerName | None = None
     enhance_prompt: StrictBool = True
     # Refused under diffusion invariance by the seed contract; passed to the stage otherwise.
-    generator_device: StrictStr | None = None
-    latents: NestedFloats | None = None
+    generator_device: Name | None = None
+    latents: Latents | None = None
     sigmas: Sigmas | None = None
 
     @field_validator("size")
@@ -237,21 +246,21 @@ class ChatCompletionRequest(_Request):
     }
     WHOLE = "completions"
 
-    model: StrictStr | None = None
+    model: Name | None = None
     messages: Messages
     temperature: Temperature | None = None
     top_p: TopP | None = None
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     seed: Seed | None = None
-    stop: StrictStr | StopList | None = None
+    stop: StopText | StopList | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None
     stream: StrictBool | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Logprobs | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    user: StrictStr | None = None  # accepted, not used
+    user: Name | None = None  # accepted, not used
     # Extensions (vLLM's names).
     top_k: TopK | None = None
     min_p: MinP | None = None
@@ -375,16 +384,93 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+# --- request bodies: their content types and size limits, and strict JSON --------------------------------
+
+MiB = 2**20
+#: A JSON request without latents: every other field at its bound fits well within it.
+MAX_JSON_BODY_BYTES = MiB
+#: The most a latents value takes as JSON text, its separator included ("-1.2345678901234567e-100, ").
+LATENT_VALUE_JSON_BYTES = 26
+#: A generation may carry initial latents (MAX_LATENT_VALUES of them) on top of the rest.
+MAX_GENERATION_BODY_BYTES = MAX_JSON_BODY_BYTES + MAX_LATENT_VALUES * LATENT_VALUE_JSON_BYTES
+#: An edit's multipart form: its image and its text fields.
+MAX_EDIT_BODY_BYTES = MAX_IMAGE_BYTES + MiB
+
+
+@dataclass(frozen=True)
+class BodyRule:
+    """What one route's body must be: its content type (else 415) and at most `max_bytes` (else 413, unread)."""
+
+    media_type: str
+    max_bytes: int
+    what: str = "the body"
+    param: str | None = None  # the field that makes a body too large, where one does
+
+    def check_headers(self, content_type: str | None, content_length: str | None) -> None:
+        """Refuse from the headers alone, before the body is read."""
+        sent = (content_type or "").split(";")[0].strip().lower()
+        if sent != self.media_type:
+            said = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+            raise UnsupportedMediaTypeError(f"send {self.what} as {self.media_type}; the request has {said}",
+                                            code="unsupported_media_type")
+        if content_length and content_length.isascii() and content_length.isdigit():
+            self.check_size(int(content_length) if len(content_length) <= 18 else math.inf)  # int() refuses 4300+ digits
+
+    def check_size(self, size: float) -> None:
+        """Refuse a body of `size` bytes (declared, or read so far) if it is over the limit."""
+        if size > self.max_bytes:
+            raise PayloadTooLargeError(f"{self.what} is over this route's limit of {self.max_bytes} bytes "
+                                       f"({self.max_bytes / MiB:g} MiB)", param=self.param, code="body_too_large")
+
+
+#: Each POST route's body, in one place (README's "HTTP API" section lists them).
+BODY_RULES = {
+    "/v1/images/generations": BodyRule("application/json", MAX_GENERATION_BODY_BYTES),
+    "/v1/chat/completions": BodyRule("application/json", MAX_JSON_BODY_BYTES),
+    "/v1/images/edits": BodyRule("multipart/form-data", MAX_EDIT_BODY_BYTES, "the edit", "image"),
+}
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in body:
+            raise InvalidRequestError(f"the body is not valid JSON for this server: the key {key!r} is given more than once",
+                                      code="duplicate_key")
+        body[key] = value
+    return body
+
+
+def decode_json(raw: bytes | str) -> Any:
+    """A JSON body, strictly: UTF-8 and each object's keys once (two parsers cannot read it two ways)."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except InvalidRequestError:
+        raise
+    except UnicodeDecodeError as err:
+        raise InvalidRequestError(f"the body is not valid JSON: it is not UTF-8 ({err.reason} at byte {err.start})",
+                                  code="json_invalid") from None
+    except RecursionError:
+        raise InvalidRequestError("the body is not valid JSON for this server: it is nested too deeply", code="json_invalid") from None
+    except ValueError as err:  # JSONDecodeError, or an integer of more digits than Python converts
+        raise InvalidRequestError(f"the body is not valid JSON: {err}", code="json_invalid") from None
+
+
 M = TypeVar("M", bound=BaseModel)
 
 
 def parse_body(model: type[M], raw: bytes | str) -> M:
     """Validate a JSON body into `model` as the ingress does (decoded, then validated); errors name the field."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InvalidRequestError(f"the body is not valid JSON: {err}", code="json_invalid") from None
+    data = decode_json(raw)
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise invalid_request(err) from None
+
+
+def is_request_error(err: ValidationError) -> bool:
+    """Whether `err` is the validation of client input (a request or sampling-params model), not of server data."""
+    def family(cls: type) -> set[str]:
+        return {cls.__name__}.union(*(family(sub) for sub in cls.__subclasses__()))
+    return err.title in family(Contract) | family(_Request)

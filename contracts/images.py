@@ -5,7 +5,8 @@
     edit_size(image, width, height)   the size an edit renders at: the requested one, which must be the image's
                                       own; none requested, the image's own
 
-Every refusal is an InvalidRequestError naming `image`. PIL is imported when an image is admitted, not before.
+Every refusal is an InvalidRequestError naming `image` (a PayloadTooLargeError, 413, for too many bytes). PIL is
+imported when an image is admitted, not before.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, PayloadTooLargeError
 from .sampling import MAX_SIDE, MIN_SIDE, SIDE_MULTIPLE
 
 MAX_IMAGE_BYTES = 16 * 2**20
@@ -25,9 +26,10 @@ def _refused(message: str, code: str = "invalid_image") -> InvalidRequestError:
 
 
 def check_image_bytes(size: int) -> None:
-    """Refuse an image of `size` bytes before reading it, if it is too large."""
+    """Refuse an image of `size` bytes before reading it, if it is too large (413, as a body over its limit)."""
     if size > MAX_IMAGE_BYTES:
-        raise _refused(f"image is {size} bytes; at most {MAX_IMAGE_BYTES} (16 MiB) are accepted", "image_too_large")
+        raise PayloadTooLargeError(f"image is {size} bytes; at most {MAX_IMAGE_BYTES} (16 MiB) are accepted",
+                                   param="image", code="image_too_large")
 
 
 def admit_image(data: Any):

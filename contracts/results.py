@@ -95,6 +95,8 @@ class StageDescription(Provenance):
 
     stage: Literal["llm", "diffusion"]
     replica: str | None = None
-    running: bool
+    running: bool  # its engine (vLLM's engine core, the diffusion compute thread) is alive and not stuck
+    # Every process that runs the model installed the batch-invariant kernels (False when the switch is off).
+    kernels_installed: bool
     kernels: Any  # the kernel report(s): one per process that runs the model
     details: dict[str, Any] = {}

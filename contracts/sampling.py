@@ -10,10 +10,11 @@ Every bound on a sampling field is written once, as a type below; the HTTP schem
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
@@ -26,24 +27,65 @@ MAX_PROMPT_CHARS = 4000
 MAX_INFERENCE_STEPS = 500
 #: Image sides: multiples of 8 (the VAE's factor) in [8, 4096].
 MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 8, 4096, 8
+#: Short identifiers a client sends (a model id, an end-user tag, a message author's name, a generator device).
+MAX_NAME_CHARS = 256
+#: A chat: at most this many messages, each at most this many characters (the model's context bounds it further).
+MAX_MESSAGES, MAX_MESSAGE_CHARS = 128, 32768
+MAX_TOKENS = 8192
+#: Stop strings: at most this many, each of 1 to MAX_STOP_CHARS characters (vLLM refuses an empty one).
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+#: Larger than any vocabulary (vLLM treats a top_k at or past the vocabulary's size as no top-k).
+MAX_TOP_K = 2**20
+#: Initial latents a request may give: one sample's (channels, height/8, width/8) as nested lists, at most a
+#: 1024x1024 image in a 16-channel latent space (SD3's), in at most 4 levels of lists.
+MAX_LATENT_VALUES, MAX_LATENT_DEPTH = 16 * 128 * 128, 4
+
+# Characters that render as nothing: Unicode spaces, controls, format characters (zero-width space and joiners,
+# direction marks, the BOM), surrogates, private-use and unassigned code points, and the "filler" letters.
+_INVISIBLE_CATEGORIES = {"Zs", "Zl", "Zp", "Cc", "Cf", "Cs", "Co", "Cn"}
+_BLANK_LETTERS = {"\u115f", "\u1160", "\u3164", "\uffa0", "\u2800"}
 
 
-def _not_blank(prompt: str) -> str:
-    if not prompt.strip():
-        raise PydanticCustomError("empty_prompt", "prompt must not be empty")
+def _visible(char: str) -> bool:
+    return char not in _BLANK_LETTERS and unicodedata.category(char) not in _INVISIBLE_CATEGORIES
+
+
+def _has_visible_text(prompt: str) -> str:
+    if not any(map(_visible, prompt)):
+        raise PydanticCustomError(
+            "empty_prompt", "prompt must contain visible text (it is empty, or only spaces and invisible characters)"
+        )
     return prompt
+
+
+def _bounded_nesting(value: Any) -> Any:
+    """Refuse latents nested deeper, or holding more values (or lists), than the bounds, before each is validated."""
+    pending, counts = [(value, 1)], {False: 0, True: 0}  # values, lists
+    while pending:
+        item, depth = pending.pop()
+        is_list = isinstance(item, list)
+        counts[is_list] += 1
+        if max(counts.values()) > MAX_LATENT_VALUES:
+            raise PydanticCustomError("too_many_values", "latents may hold at most {count} values", {"count": MAX_LATENT_VALUES})
+        if is_list and depth > MAX_LATENT_DEPTH:
+            raise PydanticCustomError("too_deep", "latents may nest lists at most {depth} deep", {"depth": MAX_LATENT_DEPTH})
+        if is_list:
+            pending.extend((child, depth + 1) for child in item)
+    return value
 
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 PromptText = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
-Prompt = Annotated[PromptText, AfterValidator(_not_blank)]
+Prompt = Annotated[PromptText, AfterValidator(_has_visible_text)]
+Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 Steps = Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)]
 GuidanceScale = Annotated[Finite, Field(ge=0.0, le=100.0)]
 Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
 # Nested lists of floats: the serializable form of a latents tensor.
 NestedFloats = TypeAliasType("NestedFloats", "list[Annotated[float, Field(allow_inf_nan=False)]] | list[NestedFloats]")
-Sigmas = Annotated[list[Finite], Field(min_length=1)]
-GeneratorDevice = Annotated[str, Field(pattern=r"^(cpu|cuda|xpu|mps)(:\d+)?$")]
+Latents = Annotated[NestedFloats, BeforeValidator(_bounded_nesting)]
+Sigmas = Annotated[list[Finite], Field(min_length=1, max_length=MAX_INFERENCE_STEPS + 1)]
+GeneratorDevice = Annotated[str, Field(pattern=r"^(cpu|cuda|xpu|mps)(:[0-9]{1,3})?$")]
 #: Schedulers a request may pick (each model serves the ones of its family; None: the model's own).
 SchedulerName = Literal["euler", "euler_ancestral", "dpmpp_2m", "ddim", "flow_match_euler"]
 #: Image edits (image-to-image): the part of the schedule that runs, from the noised image (1: all of it).
@@ -53,11 +95,12 @@ DEFAULT_STRENGTH = 0.8
 
 Temperature = Annotated[Finite, Field(ge=0.0, le=2.0)]
 TopP = Annotated[Finite, Field(gt=0.0, le=1.0)]
-TopK = Annotated[int, Field(ge=1)]
+TopK = Annotated[int, Field(ge=1, le=MAX_TOP_K)]
 MinP = Annotated[Finite, Field(ge=0.0, le=1.0)]
-MaxTokens = Annotated[int, Field(ge=1, le=8192)]
-MinTokens = Annotated[int, Field(ge=0)]
-StopList = Annotated[list[StrictStr], Field(max_length=16)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+StopText = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]
 Logprobs = Annotated[int, Field(ge=0, le=20)]
 Penalty = Annotated[Finite, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[Finite, Field(gt=0.0, le=2.0)]
@@ -117,11 +160,11 @@ class ChatMessage(Contract):
     """One message of a chat: what the LLM stage is asked."""
 
     role: Literal["system", "user", "assistant"]
-    content: StrictStr
-    name: StrictStr | None = None
+    content: Annotated[StrictStr, Field(max_length=MAX_MESSAGE_CHARS)]
+    name: Name | None = None
 
 
-Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class DiffusionSamplingParams(Contract):
@@ -137,7 +180,7 @@ class DiffusionSamplingParams(Contract):
     strength: Strength | None = None  # image edits only: None is DEFAULT_STRENGTH
     # The three inputs the seed contract forbids under invariance (see contracts.invariance).
     generator_device: GeneratorDevice | None = None
-    latents: NestedFloats | None = None
+    latents: Latents | None = None
     sigmas: Sigmas | None = None
 
 

@@ -2,6 +2,9 @@
 
 Every error, whatever raised it, leaves through `orchestration.errors.http_error` in OpenAI's shape; one
 middleware adds the `X-Omni-Batch-Invariant-LLM` / `-Diffusion` headers to every response, errors included.
+Each POST route's body is checked before FastAPI reads it (`BodyCheckedRoute`, rules in `contracts.http.BODY_RULES`):
+its content type (415), its size (413, from Content-Length or while it arrives) and, for JSON, a strict decoding
+(UTF-8, no duplicate keys: 400).
 """
 
 from __future__ import annotations
@@ -13,21 +16,24 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from contracts.errors import InvalidRequestError
 from contracts.http import (
+    BODY_RULES,
+    BodyRule,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ErrorResponse,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImagesResponse,
     ModelList,
+    decode_json,
 )
-
-from contracts.errors import InvalidRequestError
-from contracts.http import ImageEditRequest
-from contracts.images import MAX_IMAGE_BYTES, check_image_bytes
+from contracts.images import check_image_bytes
 
 from .errors import HTTPError, client_error, http_error
 from .health import HealthResponse
@@ -41,6 +47,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     for status, why in (
         (400, "a field the client sent is wrong (named in `param`)"),
         (404, "an unknown model"),
+        (413, "the body is over the route's size limit"),
+        (415, "the body is not of the route's content type"),
         (503, "a stage is full or unavailable (see Retry-After)"),
         (504, "the request outlasted the server's time limit"),
     )
@@ -51,25 +59,59 @@ def error_response(error: HTTPError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def _not_json(request: Request) -> bool:
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    return not (kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")))
+async def read_body(request: Request, rule: BodyRule) -> bytes:
+    """The whole body, refused by its headers before a byte is read, and again once more than allowed has arrived."""
+    rule.check_headers(request.headers.get("content-type"), request.headers.get("content-length"))
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        rule.check_size(len(body))
+    return bytes(body)
+
+
+def replaying(request: Request, body: bytes) -> Request:
+    """The request again, its body (already read) delivered whole to whoever reads it next."""
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if delivered:
+            return await request.receive()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request(request.scope, receive)
+
+
+class BodyCheckedRoute(APIRoute):
+    """A route whose body passes its `BODY_RULES` entry before FastAPI reads or validates it."""
+
+    def get_route_handler(self):
+        handle = super().get_route_handler()
+        rule = BODY_RULES.get(self.path)
+        if rule is None:
+            return handle
+
+        async def checked(request: Request) -> Response:
+            try:
+                body = await read_body(request, rule)
+                if rule.media_type == "application/json":
+                    decode_json(body)  # FastAPI decodes it again, leniently; this is the decoding that refuses
+            except Exception as exc:
+                return error_response(http_error(exc))
+            return await handle(replaying(request, body))
+
+        return checked
 
 
 #: An edit's body as OpenAPI documents it: a multipart form (the route reads it itself, see `read_edit`).
 EDIT_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": ImageEditRequest.form_schema()}}}}
-#: What a multipart body may carry besides its image: the text fields (each far below 1 MiB).
-FORM_OVERHEAD_BYTES = 2**20
 
 
 async def read_edit(request: Request) -> ImageEditRequest:
-    """The edit in a multipart form, as OpenAI's client sends it: one file `image` (or `image[]`), the rest text."""
-    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "multipart/form-data":
-        raise InvalidRequestError("send the edit as multipart/form-data, the image as a file field", code="invalid_content_type")
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > MAX_IMAGE_BYTES + FORM_OVERHEAD_BYTES:  # refused before the body is read
-        raise InvalidRequestError(f"the body is {length} bytes: an image may have at most {MAX_IMAGE_BYTES} (16 MiB)",
-                                  param="image", code="image_too_large")
+    """The edit in a multipart form, as OpenAI's client sends it: one file `image` (or `image[]`), the rest text.
+
+    Its content type and size were checked by its route (`BodyCheckedRoute`)."""
     fields: dict[str, str | bytes] = {}
     async with request.form(max_files=4, max_fields=64) as form:
         for name, value in form.multi_items():
@@ -97,6 +139,7 @@ def build_api(ingress: Ingress) -> FastAPI:
         title="omniserve",
         description="Reproducible two-stage (LLM -> diffusion) generation; OpenAI-compatible Images and Chat routes.",
     )
+    api.router.route_class = BodyCheckedRoute
     headers = ingress.switch_headers
     timeout_s = ingress.config.ingress.request_timeout_s
 
@@ -116,10 +159,6 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @api.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.method == "POST" and _not_json(request):
-            # A body that is not declared JSON is refused (a browser can send text/plain cross-site unasked).
-            return error_response(HTTPError(400, "invalid_request_error",
-                                            "send the body as JSON with Content-Type: application/json", code="invalid_content_type"))
         return error_response(client_error(list(exc.errors()), root=("body",)))
 
     @api.exception_handler(StarletteHTTPException)

@@ -3,7 +3,9 @@
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
 
 Client mistakes are 4xx with a message naming the field; full queues are 503 with Retry-After;
-only the server's own failures are 5xx, and their details stay in the log, not the body.
+only the server's own failures are 5xx, and their details stay in the log, not the body. A client mistake is a
+typed one: an InvalidRequestError (a stage's too, across Ray), or the pydantic validation of a request model.
+A bare ValueError or TypeError is the server's own failure, whatever its message says.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from contracts.errors import OmniError, QueueFullError, describe_validation_error
+from contracts.http import is_request_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,6 +59,7 @@ def http_error(exc: BaseException) -> HTTPError:
     from ray.exceptions import ActorDiedError, ActorUnavailableError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
     exc = cause_of(exc)
     if isinstance(exc, QueueFullError):
@@ -65,11 +69,10 @@ def http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, BackPressureError):
         return HTTPError(503, "server_overloaded", f"the server is busy: {exc.message} Retry shortly.",
                          code="queue_full", headers=_retry_after(exc.retry_after_s))
-    if isinstance(exc, ValidationError):
+    if isinstance(exc, ValidationError) and is_request_error(exc):
         return client_error(exc.errors(include_url=False))
-    if isinstance(exc, ValueError):
-        # Stages raise ValueErrors (with `param` when they know it) for input they refuse.
-        return HTTPError(400, "invalid_request_error", str(exc), getattr(exc, "param", None), "invalid_value")
+    if isinstance(exc, ClientDisconnect):  # nobody reads the answer; not the server's failure either
+        return HTTPError(400, "invalid_request_error", "the client disconnected before its body was read", code="client_disconnected")
     if isinstance(exc, HTTPException):
         # Routing errors from FastAPI itself: unknown path (404), wrong method (405).
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"

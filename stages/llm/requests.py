@@ -2,12 +2,16 @@
 
 Input is admitted with `contracts.admission`, the same functions the ingress uses, so a stage called without
 the ingress refuses bad input with the same message and code (an InvalidRequestError naming the field, or a
-SeedContractError). How a prompt is enhanced depends on the model: a real model rewrites it freely
-(`FreeRewrite`); the embedded one picks a style through a grammar (`stages.embedded.llm.StyleEnhancement`).
+SeedContractError); what vLLM itself refuses (building SamplingParams, or its request validation) becomes an
+InvalidRequestError naming the field where vLLM's error tells it (`refused_by_vllm`). How a prompt is enhanced
+depends on the model: a real model rewrites it freely (`FreeRewrite`); the embedded one picks a style through a
+grammar (`stages.embedded.llm.StyleEnhancement`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from contracts.admission import admit_llm_params, admit_messages, admit_prompt
@@ -21,6 +25,26 @@ DEFAULT_SYSTEM_PROMPT = (
     "You rewrite image prompts. Keep the user's subject, add a visual style and lighting, "
     "and answer with the rewritten prompt only, on one line."
 )
+
+
+@contextmanager
+def refused_by_vllm(field: str, *, kinds: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """vLLM's own refusal of a request (VLLMClientError, or one of `kinds`) -> InvalidRequestError naming the field.
+
+    The field is vLLM's `parameter`, else the sampling field its message starts with ("stop cannot contain an
+    empty string."), else `field` for a refusal of the prompt itself ("The decoder prompt (length 2000) is longer...").
+    """
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        yield
+    except InvalidRequestError:
+        raise
+    except (VLLMClientError, *kinds) as err:
+        message = str(err.args[0]) if err.args else type(err).__name__  # without vLLM's echo of the value
+        named = getattr(err, "parameter", None) or message.split(" ", 1)[0].strip(".,:`'")
+        param = named if named in LLMSamplingParams.model_fields else field if message.startswith("The decoder prompt") else None
+        raise InvalidRequestError(f"refused by vLLM: {message}", param=param, code="invalid_value") from None
 
 
 class EnhancementPolicy(Protocol):
@@ -88,7 +112,12 @@ class LLMRequests:
             )
         # The sampled token's logprob is always returned: it is part of the provenance.
         logprobs = params.logprobs if params.logprobs is not None else 0
-        return LLMSamplingParams.from_params(params, logprobs=logprobs).to_vllm(**extra)
+        with refused_by_vllm(field, kinds=(ValueError, TypeError)):
+            return LLMSamplingParams.from_params(params, logprobs=logprobs).to_vllm(**extra)
+
+    async def generate(self, prompt_ids: list[int], sampling, *, field: str):
+        with refused_by_vllm(field):  # its request validation; a failure while generating stays the server's
+            return await self.engine.generate(prompt_ids, sampling)
 
     def enhancement(self, prompt: str, params: LLMSamplingParams) -> tuple[list[int], LLMSamplingParams, Any]:
         """(prompt ids, the params it really runs with, vLLM SamplingParams) of one enhancement."""
@@ -106,7 +135,7 @@ class LLMRequests:
         params = self.admit(params)
         prompt = admit_prompt(prompt)
         prompt_ids, run_params, sampling = self.enhancement(prompt, params)
-        result = await self.engine.generate(prompt_ids, sampling)
+        result = await self.generate(prompt_ids, sampling, field="prompt")
         return RevisedPrompt(
             revised_prompt=self.policy.compose(prompt, result.text.strip()),
             prompt=prompt,
@@ -128,7 +157,7 @@ class LLMRequests:
         admitted = admit_messages(messages)
         # Role and content only: what the chat template has always been given.
         prompt_ids = self.encode_chat([{"role": m.role, "content": m.content} for m in admitted])
-        result = await self.engine.generate(prompt_ids, self.sampling(params, len(prompt_ids), field="messages"))
+        result = await self.generate(prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), field="messages")
         completion_tokens = len(result.token_ids)
         return Completion(
             text=result.text,

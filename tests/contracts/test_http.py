@@ -4,9 +4,32 @@ import json
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
-from contracts.errors import InvalidRequestError, ModelNotFoundError
-from contracts.http import ChatCompletionRequest, ImageGenerationRequest, parse_body, parse_size
+from contracts.errors import InvalidRequestError, ModelNotFoundError, PayloadTooLargeError, UnsupportedMediaTypeError
+from contracts.http import (
+    BODY_RULES,
+    MAX_GENERATION_BODY_BYTES,
+    ChatCompletionRequest,
+    ImageGenerationRequest,
+    ImagesResponse,
+    decode_json,
+    is_request_error,
+    parse_body,
+    parse_size,
+)
+from contracts.sampling import (
+    MAX_LATENT_VALUES,
+    MAX_MESSAGE_CHARS,
+    MAX_MESSAGES,
+    MAX_NAME_CHARS,
+    MAX_PROMPT_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKENS,
+    MAX_TOP_K,
+    DiffusionSamplingParams,
+)
 from contracts.seeds import MAX_SEED, MIN_SEED
 
 OK = {"prompt": "a red fox in the snow"}
@@ -64,7 +87,7 @@ BAD_IMAGE_REQUESTS = [
     ({"prompt": "x", "enhance_prompt": "no"}, "enhance_prompt"),
     ({"prompt": "x", "enhance_prompt": 0}, "enhance_prompt"),
     ({"prompt": "x", "sigmas": []}, "sigmas"),
-    ({"prompt": "x", "latents": [[float("nan")]]}, "latents.0"),
+    ({"prompt": "x", "latents": [[float("nan")]]}, "latents.0.0"),
 ]
 
 
@@ -182,3 +205,162 @@ def test_chat_request_llm_params_refuse_inconsistent_token_bounds():
 def test_model_not_found_is_a_404_invalid_request():
     assert ModelNotFoundError("x", param="model").status_code == 404
     assert issubclass(ModelNotFoundError, InvalidRequestError)
+
+
+# --- every client field is bounded ----------------------------------------------------------------
+
+LONG_NAME = "n" * (MAX_NAME_CHARS + 1)
+# Prompts that render as nothing: zero-width space and joiners, BOM, direction marks, word joiner, fillers.
+INVISIBLE_PROMPTS = ["\u200b", "\u200b\u200c\u200d", "\ufeff \u2060", "\u200e\u200f\u202e", "\u3164", "\u2800\u00a0\u3000", "\t\n\u2028"]
+# "64x64" in Arabic-Indic, Devanagari, fullwidth and Eastern Arabic digits: `int()` reads them all, the API does not.
+FOREIGN_DIGIT_SIZES = ["\u0666\u0664x\u0666\u0664", "\u096c\u096ax64", "\uff16\uff14x\uff16\uff14", "64x\u06f6\u06f4"]
+DEEP_LATENTS = [[[[[0.0]]]]]
+
+
+@pytest.mark.parametrize("body,param", [
+    *[({"prompt": prompt}, "prompt") for prompt in INVISIBLE_PROMPTS],
+    *[({"prompt": "x", "size": size}, "size") for size in FOREIGN_DIGIT_SIZES],
+    ({"prompt": "x", "user": "u" * (MAX_NAME_CHARS + 1)}, "user"),
+    ({"prompt": "x", "model": LONG_NAME}, "model"),
+    ({"prompt": "x", "size": "6" * 300 + "x64"}, "size"),
+    ({"prompt": "x", "generator_device": LONG_NAME}, "generator_device"),
+    ({"prompt": "x", "negative_prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "negative_prompt"),
+    ({"prompt": "x", "response_format": LONG_NAME}, "response_format"),
+    ({"prompt": "x", "latents": DEEP_LATENTS}, "latents"),
+    ({"prompt": "x", "latents": [0.0] * (MAX_LATENT_VALUES + 1)}, "latents"),
+    ({"prompt": "x", "latents": [[]] * (MAX_LATENT_VALUES + 1)}, "latents"),
+    ({"prompt": "x", "sigmas": [1.0] * 502}, "sigmas"),
+], ids=lambda v: ascii(v)[:40])
+def test_every_image_field_is_bounded_and_refused_past_its_bound_by_name(body, param):
+    assert refused(ImageGenerationRequest, body).param == param
+
+
+def test_a_prompt_needs_visible_text_in_any_script_and_keeps_what_it_has():
+    for prompt in ["\U0001f98a", "\u05e9\u05d5\u05e2\u05dc", "\u200bfox\u200b", "\u0661", "\u200f\u0634"]:
+        assert parse_body(ImageGenerationRequest, json.dumps({"prompt": prompt})).prompt == prompt
+    error = refused(ImageGenerationRequest, {"prompt": "\u200b"})
+    assert error.code == "empty_prompt" and "visible" in error.message
+
+
+def test_size_takes_ascii_digits_only():
+    for size in FOREIGN_DIGIT_SIZES:
+        with pytest.raises(ValueError, match="size"):
+            parse_size(size)
+    assert parse_size("64x128") == (64, 128)
+
+
+def test_latents_at_their_bounds_are_accepted():
+    channels, side = 16, int((MAX_LATENT_VALUES // 16) ** 0.5)
+    latents = [[[0.5] * side for _ in range(side)] for _ in range(channels)]
+    assert DiffusionSamplingParams(latents=latents).latents == latents
+    assert refused(ImageGenerationRequest, {"prompt": "x", "latents": DEEP_LATENTS}).message == "latents may nest lists at most 4 deep"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({**CHAT, "stop": ""}, "stop"),
+    ({**CHAT, "stop": [""]}, "stop.0"),
+    ({**CHAT, "stop": ["\n", ""]}, "stop.1"),
+    ({**CHAT, "stop": [5]}, "stop.0"),
+    ({**CHAT, "stop": "s" * (MAX_STOP_CHARS + 1)}, "stop"),
+    ({**CHAT, "stop": ["s" * (MAX_STOP_CHARS + 1)]}, "stop.0"),
+    ({**CHAT, "stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+    ({**CHAT, "top_k": 18446744073709551616}, "top_k"),
+    ({**CHAT, "top_k": MAX_TOP_K + 1}, "top_k"),
+    ({**CHAT, "top_k": 0}, "top_k"),
+    ({**CHAT, "min_tokens": MAX_TOKENS + 1}, "min_tokens"),
+    ({**CHAT, "max_tokens": 10**30}, "max_tokens"),
+    ({**CHAT, "model": LONG_NAME}, "model"),
+    ({**CHAT, "user": "u" * 20 * 2**20}, "user"),
+    ({"messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * (MAX_MESSAGE_CHARS + 1)}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x", "name": LONG_NAME}]}, "messages.0.name"),
+], ids=lambda v: ascii(v)[:40])
+def test_every_chat_field_is_bounded_and_refused_past_its_bound_by_name(body, param):
+    error = refused(ChatCompletionRequest, body)
+    assert error.param == param and param.split(".")[0] in error.message
+
+
+def test_chat_fields_at_their_bounds_are_accepted():
+    body = {
+        "messages": [{"role": "user", "content": "x" * MAX_MESSAGE_CHARS, "name": "n" * MAX_NAME_CHARS}] * MAX_MESSAGES,
+        "stop": ["s" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, "top_k": MAX_TOP_K, "min_tokens": MAX_TOKENS,
+        "max_tokens": MAX_TOKENS, "user": "u" * MAX_NAME_CHARS, "model": "m" * MAX_NAME_CHARS,
+    }
+    params = parse_body(ChatCompletionRequest, json.dumps(body)).llm_params(1)
+    assert (params.top_k, len(params.stop), params.min_tokens) == (MAX_TOP_K, MAX_STOP_STRINGS, MAX_TOKENS)
+    assert parse_body(ChatCompletionRequest, json.dumps({**CHAT, "stop": "END"})).llm_params(1).stop == ["END"]
+
+
+# --- request bodies: strict JSON, content types and size limits ----------------------------------
+
+
+@pytest.mark.parametrize("raw,words", [
+    ('{"prompt": "x", "prompt": "y"}', "'prompt' is given more than once"),
+    ('{"prompt": "x", "seed": 1, "seed": 1}', "'seed' is given more than once"),
+    ('{"messages": [{"role": "user", "role": "system", "content": "x"}]}', "'role' is given more than once"),
+    (b'\xef\xbb\xbf{"prompt": "x"}', "BOM"),
+    (b'{"prompt": "\xff"}', "not UTF-8"),
+    ("[" * 100_000, "nested too deeply"),
+    ('{"seed": ' + "1" * 5000 + "}", "digits"),
+])
+def test_a_body_that_two_parsers_could_read_two_ways_or_not_at_all_is_400(raw, words):
+    with pytest.raises(InvalidRequestError) as caught:
+        decode_json(raw.encode() if isinstance(raw, str) else raw)
+    assert caught.value.status_code == 400 and words in caught.value.message and caught.value.param is None
+
+
+def test_decoded_json_keeps_every_value():
+    assert decode_json(b'{"a": [1, 2.5, "\\u200b", {"b": null}], "c": true}') == {"a": [1, 2.5, "\u200b", {"b": None}], "c": True}
+
+
+@pytest.mark.parametrize("route,content_type", [
+    ("/v1/images/generations", "text/plain"),
+    ("/v1/images/generations", None),
+    ("/v1/images/generations", ""),
+    ("/v1/images/generations", "application/x-www-form-urlencoded"),
+    ("/v1/images/generations", "multipart/form-data; boundary=x"),
+    ("/v1/images/generations", "application/merge-patch+json"),
+    ("/v1/chat/completions", "text/plain;charset=UTF-8"),
+    ("/v1/images/edits", "application/json"),
+    ("/v1/images/edits", None),
+])
+def test_a_body_of_another_content_type_is_415_naming_it(route, content_type):
+    with pytest.raises(UnsupportedMediaTypeError) as caught:
+        BODY_RULES[route].check_headers(content_type, "10")
+    error = caught.value
+    assert error.status_code == 415 and BODY_RULES[route].media_type in error.message
+    assert (content_type or "no Content-Type") in error.message
+
+
+def test_the_routes_content_types_are_accepted_with_parameters_and_any_case():
+    BODY_RULES["/v1/images/generations"].check_headers("Application/JSON; charset=utf-8", "10")
+    BODY_RULES["/v1/images/edits"].check_headers("multipart/form-data; boundary=abc", "10")
+
+
+@pytest.mark.parametrize("route", sorted(BODY_RULES))
+def test_a_body_over_its_routes_limit_is_413_from_its_declared_length_or_its_bytes(route):
+    rule = BODY_RULES[route]
+    rule.check_headers(rule.media_type, str(rule.max_bytes))
+    rule.check_headers(rule.media_type, "not a number")  # the HTTP server refuses those itself
+    for refuse in (lambda: rule.check_headers(rule.media_type, str(rule.max_bytes + 1)), lambda: rule.check_size(rule.max_bytes + 1),
+                   lambda: rule.check_headers(rule.media_type, "9" * 5000)):  # more digits than int() converts
+        with pytest.raises(PayloadTooLargeError) as caught:
+            refuse()
+        assert caught.value.status_code == 413 and str(rule.max_bytes) in caught.value.message
+
+
+def test_the_generation_limit_holds_the_largest_latents_in_their_longest_writing():
+    side = int((MAX_LATENT_VALUES // 16) ** 0.5)
+    longest = -1.2345678901234567e-100  # a float64's longest repr: sign, 17 digits, a 3-digit exponent
+    latents = [[[longest] * side for _ in range(side)] for _ in range(16)]
+    body = json.dumps({"prompt": "x" * MAX_PROMPT_CHARS, "negative_prompt": "\u00fc" * MAX_PROMPT_CHARS, "latents": latents})
+    assert len(body.encode()) <= MAX_GENERATION_BODY_BYTES
+    assert parse_body(ImageGenerationRequest, body).latents == latents
+
+
+def test_only_a_requests_own_validation_error_is_the_clients():
+    with pytest.raises(ValidationError) as request:
+        DiffusionSamplingParams(seed=True)
+    with pytest.raises(ValidationError) as response:
+        ImagesResponse(created=0, data=[], model="m", size="64x64", invariance={"llm": 1})
+    assert is_request_error(request.value) and not is_request_error(response.value)

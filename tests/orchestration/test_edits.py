@@ -118,12 +118,12 @@ def test_each_bad_edit_is_a_4xx_naming_the_field(http, form, param):
 
 def test_an_image_over_16_mib_is_refused_before_it_is_read(http):
     response = edit(http, image=b"\0" * (17 * 2**20), prompt=PROMPT, seed=1)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "image", response.text
+    assert response.status_code == 413 and response.json()["error"]["param"] == "image", response.text
 
 
 def test_a_json_edit_is_refused_asking_for_multipart(http):
     response = http.post("/v1/images/edits", json={"prompt": PROMPT, "seed": 1})
-    assert response.status_code == 400 and "multipart/form-data" in response.json()["error"]["message"]
+    assert response.status_code == 415 and "multipart/form-data" in response.json()["error"]["message"]
 
 
 def test_a_seedless_edit_is_refused_under_invariance_and_served_without(http):
