@@ -187,6 +187,6 @@ def build_api(ingress: Ingress) -> FastAPI:
         report = await respond(ingress.health())  # health must answer even when something is broken
         if isinstance(report, Response):
             return report
-        return JSONResponse(report.model_dump(exclude_none=True), status_code=200 if report.status == "ok" else 503)
+        return JSONResponse(report.model_dump(exclude_none=True), status_code=report.http_status)
 
     return api

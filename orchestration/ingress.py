@@ -4,7 +4,7 @@
     POST /v1/images/edits         the same, from an image (multipart): admit it -> ... -> diffusion edit -> b64 PNGs
     POST /v1/chat/completions     the LLM stage alone
     GET  /v1/models               the served models, OpenAI's list format
-    GET  /health                  stage states, invariance switches, kernel reports, replica counts
+    GET  /health                  each stage running/degraded/down and why, switches, kernels, replica counts
 
 The HTTP side (typed routes, error handlers, the switch headers) is `orchestration.api`, built per
 replica by `__serve_build_asgi_app__` so that it can carry this replica's configuration.

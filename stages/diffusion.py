@@ -2,15 +2,17 @@
 
 Read top to bottom:
   BatchKey, Job      what decides whether two requests may share a whole-request batch; one image to render
-  DiffusionRenderer  loads the pipeline (kernels first, when the switch is on), fills a request's
-                     defaults, refuses what this model cannot render, and renders a batch of same-key
-                     requests through the pipeline itself (the audit and the request-level mode use it).
+  DiffusionRenderer  loads the pipeline (kernels first, when the switch is on; without them it refuses to start
+                     rather than serve batch-dependent bytes), fills a request's defaults, refuses what this
+                     model cannot render, and renders a batch of same-key requests through the pipeline
+                     itself (the audit and the request-level mode use it).
   StepBatching       the pipelines the step engine knows (`stages.engine`): samples join and leave
                      between denoising steps, cancelled ones leave at the next step boundary; image edits
                      (image-to-image, `stages.engine.img2img`) run there only.
   RequestBatching    any other pipeline: one @serve.batch queue per batch key, whole requests.
   DiffusionStage     the Ray Serve deployment: admission (`contracts.admission`), a bounded number of
-                     requests in flight, PNG bytes, their sha256 and provenance as a `RenderedImage`.
+                     requests in flight, PNG bytes, their sha256 and provenance as a `RenderedImage`; its health
+                     check fails when the compute thread is gone or one step has run past `stuck_after_s`.
 
 Nothing here knows about HTTP; errors are typed (`contracts.errors`) for the ingress to map.
 """
@@ -22,6 +24,7 @@ import hashlib
 import inspect
 import io
 import os
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -130,6 +133,10 @@ class DiffusionRenderer:
             torch.set_num_threads(self.torch_threads)
         # Kernels go in before the model loads, so nothing is built or warmed with stock kernels.
         self.kernels = enable_batch_invariant_kernels(self.device) if self.batch_invariant else current_report()
+        if self.batch_invariant and not self.kernels.installed:
+            # Fail closed: stock kernels would answer with batch-dependent bytes while promising invariance.
+            raise RuntimeError(f"diffusion batch invariance is on but its kernels are not installed, so this "
+                               f"replica refuses to start: {self.kernels.reason}")
         self.model = config.model or DEFAULT_MODELS["diffusion"]
         self.pipe = load_pipeline(self.model, device=self.device, dtype=config.dtype)
         # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size.
@@ -274,6 +281,11 @@ class StepBatching:
     def alive(self) -> bool:
         return self.engine.alive
 
+    def busy_s(self) -> float:
+        """How long the engine's current step has run (0.0 while idle)."""
+        started = self.engine.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def load(self) -> dict[str, int]:
         return self.engine.load()
 
@@ -286,6 +298,7 @@ class RequestBatching:
     def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
         self.renderer, self.config, self.rendered = renderer, config, rendered
         self._queues: dict[BatchKey, Any] = {}
+        self._batch_started: float | None = None  # time.monotonic() when the running batch began
         # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
 
@@ -304,7 +317,11 @@ class RequestBatching:
         return queue
 
     def _render(self, jobs: list[Job]) -> list[RenderedImage]:
-        images = self.renderer.render(jobs)
+        self._batch_started = time.monotonic()
+        try:
+            images = self.renderer.render(jobs)
+        finally:
+            self._batch_started = None
         shared = len(jobs) > 1
         return [self.rendered(job, image, len(jobs), job.params.num_inference_steps * shared) for job, image in zip(jobs, images)]
 
@@ -315,6 +332,11 @@ class RequestBatching:
     def alive(self) -> bool:
         """The compute thread can still take batches (the executor starts it on the first one)."""
         return not self._compute._shutdown and all(thread.is_alive() for thread in self._compute._threads)
+
+    def busy_s(self) -> float:
+        """How long the running batch has run (0.0 while idle)."""
+        started = self._batch_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def load(self) -> dict[str, int]:
         return {"queues": len(self._queues)}
@@ -413,6 +435,7 @@ class DiffusionStage:
         batching = {"mode": self.batching.mode, "max_batch_size": config.max_batch_size,
                     "batch_wait_timeout_s": config.batch_wait_timeout_s, "max_queued": config.max_queued,
                     "in_flight": self.in_flight, **self.batching.load()}
+        problem = self.problem()
         return StageDescription(
             stage="diffusion",
             model=self.renderer.model,
@@ -420,11 +443,24 @@ class DiffusionStage:
             batch_invariant=self.batch_invariant,
             kernel_backend=self.renderer.kernels.backend,
             kernels=self.renderer.kernels.to_dict(),
-            running=self.batching.alive,
+            kernels_installed=self.renderer.kernels.installed,
+            running=problem is None,
             details={"device": self.renderer.device, "torch_threads": self.renderer.torch_threads, "pid": os.getpid(),
-                     "defaults": dict(self.renderer.defaults), "batching": batching},
+                     "defaults": dict(self.renderer.defaults), "batching": batching, "problem": problem},
         )
 
-    def check_health(self) -> None:
+    def problem(self) -> str | None:
+        """Why this replica cannot serve: its compute thread is gone or stuck; None when it can."""
         if not self.batching.alive:
-            raise RuntimeError("the compute thread is gone")
+            return "the compute thread is gone"
+        busy_s = self.batching.busy_s()
+        if busy_s > self.config.stuck_after_s:
+            unit = "step" if self.batching.mode == "step" else "batch"
+            return f"the compute thread is stuck: one {unit} has run {busy_s:.0f} s (stuck_after_s={self.config.stuck_after_s:g})"
+        return None
+
+    def check_health(self) -> None:
+        """Serve calls this every `health_check_period_s`; raising makes it replace the replica."""
+        problem = self.problem()
+        if problem is not None:
+            raise RuntimeError(problem)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -29,15 +30,14 @@ logger = logging.getLogger("ray.serve")
 
 class StepEngine:
     def __init__(self, family: Family, *, max_batch_size: int, torch_threads: int | None = None):
-        self.family = family
-        self.max_batch_size = max_batch_size
-        self.torch_threads = torch_threads
+        self.family, self.max_batch_size, self.torch_threads = family, max_batch_size, torch_threads
         self._waiting: deque[Sample] = deque()
         self._active: list[Sample] = []
         self._wake = threading.Condition()
         self._arrivals = itertools.count()
         self._stopped = False
         self.forwards = 0
+        self.step_started: float | None = None  # time.monotonic() when the current step began; None: idle
         self._thread = threading.Thread(target=self._run, name="diffusion-engine", daemon=True)
         self._thread.start()
 
@@ -94,13 +94,14 @@ class StepEngine:
                     self._wake.wait()
                 if self._stopped:
                     return
-                joining = self._take_joining()
+                joining, self.step_started = self._take_joining(), time.monotonic()
                 self._active = [s for s in self._active if not s.cancelled]
             with torch.inference_mode():
                 self._join(joining)
                 batch = self._pick()
                 if batch:
                     self._forward(batch)
+            self.step_started = None
 
     def _take_joining(self) -> list[Sample]:
         """Waiting samples that join now (at most one batch of text encodings), the cancelled ones dropped."""

@@ -6,6 +6,7 @@ Usable without Serve (the audit uses it). vLLM spawns processes, so in scripts c
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -88,16 +89,24 @@ class LLMEngine:
             self._check_workers_installed_kernels()
         return self
 
-    def _check_workers_installed_kernels(self) -> None:
+    def _workers_without_kernels(self) -> tuple[list[dict], str]:
+        """The worker reports that lack what invariance needs, and a hint at why."""
         if self.device == "cpu":
             missing = [r for r in self.worker_reports if not (r["kernels"]["installed"] and r["gemm_dispatch_patched"])]
-            hint = "is the omniserve package installed, so vLLM finds its plugin?"
-        else:
-            missing = [r for r in self.worker_reports if not r["vllm_batch_invariant_mode"]]
-            hint = "vLLM's workers did not enter VLLM_BATCH_INVARIANT mode"
+            return missing, "is the omniserve package installed, so vLLM finds its plugin?"
+        missing = [r for r in self.worker_reports if not r["vllm_batch_invariant_mode"]]
+        return missing, "vLLM's workers did not enter VLLM_BATCH_INVARIANT mode"
+
+    def _check_workers_installed_kernels(self) -> None:
+        missing, hint = self._workers_without_kernels()
         if missing or not self.worker_reports:
             self.shutdown()
             raise RuntimeError(f"batch invariance is on but a vLLM worker did not install the kernels ({hint}): {missing}")
+
+    @property
+    def kernels_installed(self) -> bool:
+        """Every worker installed the kernels invariance needs (False with the switch off: none were asked for)."""
+        return self.batch_invariant and bool(self.worker_reports) and not self._workers_without_kernels()[0]
 
     def shutdown(self) -> None:
         if self._engine is not None:
@@ -105,10 +114,11 @@ class LLMEngine:
             self._engine = None
 
     def check_health(self) -> None:
+        """Raises when the engine cannot serve: not started, shut down, or its engine core died."""
         if self._engine is None:
             raise RuntimeError("the LLM engine is not running")
         if self._engine.errored:
-            raise RuntimeError(f"the LLM engine failed: {self._engine.dead_error}")
+            raise RuntimeError(f"the LLM engine failed: {self._engine.dead_error!r}")
 
     @property
     def async_llm(self):
@@ -134,7 +144,7 @@ class LLMEngine:
         if self.device == "cuda":
             return "vllm-cuda"
         backends = {r["kernels"]["backend"] for r in self.worker_reports}
-        return backends.pop() if len(backends) == 1 else "mixed"
+        return backends.pop() if len(backends) == 1 else "mixed" if backends else "none"
 
     def describe(self) -> StageDescription:
         import vllm
@@ -145,8 +155,11 @@ class LLMEngine:
             batch_invariant=self.batch_invariant,
             kernel_backend=self.kernel_backend,
             kernels=self.worker_reports,
+            kernels_installed=self.kernels_installed,
             running=self.running,
+            # Paths and engine arguments are for operators (describe() through a handle); /health leaves them out.
             details={
+                "pid": os.getpid(),
                 "model_path": self.model.path,
                 "embedded": self.model.embedded,
                 "device": self.device,

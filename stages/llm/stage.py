@@ -37,6 +37,7 @@ class LLMStage:
         return self.engine.describe().model_copy(update={"replica": replica_id()})
 
     def check_health(self) -> None:
+        """Serve calls this every `health_check_period_s`: a dead engine core fails it, and Serve replaces the replica."""
         self.engine.check_health()
 
     def __del__(self):
