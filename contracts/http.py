@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError, invalid_request
