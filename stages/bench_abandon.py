@@ -75,11 +75,15 @@ class Client:
 
         return sum(await asyncio.gather(*(one(i) for i in range(self.spec.big_requests))))
 
-    async def batching(self) -> dict:
-        """The diffusion replica's batching details from /health (mode, in_flight, and the engine's counters)."""
+    async def diffusion(self) -> dict:
+        """The diffusion stage in /health: its switch, and one replica's public details under `describe`."""
         async with httpx.AsyncClient(base_url=self.base, timeout=60) as client:
             health = (await client.get("/health")).json()
-        return health["stages"]["diffusion"]["describe"]["details"]["batching"]
+        return health["stages"]["diffusion"]
+
+    async def batching(self) -> dict:
+        """Its batching details: mode, in_flight, and the step engine's counters (waiting, active, forwards)."""
+        return (await self.diffusion())["describe"]["details"]["batching"]
 
 
 async def settle(client: Client, solo_s: float, started: float) -> dict:
@@ -109,7 +113,7 @@ async def trial(client: Client, number: int) -> dict:
     settled = await settle(client, solo_s, given_up_at)
     forwards = settled.pop("forwards_after")
     return {"trial": number, "solo_s": round(solo_s, 3), "gave_up": gave_up, "after_abandon_s": round(after_s, 3),
-            **settled, "forwards_during_trial": None if forwards is None else forwards - before["forwards"],
+            **settled, "forwards_during_trial": None if forwards is None else forwards - before.get("forwards", 0),
             "same_bytes": solo_sha == after_sha}
 
 
@@ -138,7 +142,7 @@ def run_abandon(
 
     from stages.audit.report import environment
 
-    runs, switches = [], {}
+    runs, stage_info = [], {}
     base = _start_ray()
     try:
         for mode in modes:
@@ -146,7 +150,9 @@ def run_abandon(
             serve.run(build_app({"diffusion": {"batching": mode}}), name="omniserve-bench", route_prefix="/")
             log(f"[bench] app with {mode} batching running after {time.perf_counter() - started:.0f} s")
             client = Client(base, spec)
-            switches[mode] = asyncio.run(client.batching())
+            described = asyncio.run(client.diffusion())
+            stage_info[mode] = {"batch_invariant": described["batch_invariant"], "torch_threads": described["describe"]["details"]["torch_threads"],
+                            "batching": described["describe"]["details"]["batching"]}
             for number in range(spec.trials):
                 runs.append({"mode": mode, **asyncio.run(trial(client, number))})
                 log(f"[bench] {mode} trial {number}: {runs[-1]}")
@@ -154,16 +160,16 @@ def run_abandon(
     finally:
         serve.shutdown()
         ray.shutdown()
-    return summarize(runs, spec, modes, switches, environment(command))
+    return summarize(runs, spec, modes, stage_info, environment(command))
 
 
-def summarize(runs: list[dict], spec: AbandonSpec, modes: Sequence[str], batching: dict, environment: dict) -> dict:
+def summarize(runs: list[dict], spec: AbandonSpec, modes: Sequence[str], stage_info: dict, environment: dict) -> dict:
     summary = {}
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
         summary[mode] = {key: spread([r[key] for r in mine]) for key in ("solo_s", "after_abandon_s", "settled_s")}
         summary[mode]["after_abandon_under_2s"] = all(r["after_abandon_s"] < 2.0 for r in mine)
-    return {"kind": "abandoned", "spec": asdict(spec), "stage_batching": batching, "runs": runs, "summary": summary,
+    return {"kind": "abandoned", "spec": asdict(spec), "stages": stage_info, "runs": runs, "summary": summary,
             "environment": environment}
 
 
@@ -174,6 +180,8 @@ def markdown(report: dict) -> str:
         f"{spec['small_size']}x{spec['small_size']} request on the idle app, then {spec['big_requests']} requests of n={spec['big_n']}, "
         f"{spec['big_size']}x{spec['big_size']}, {spec['big_steps']} steps whose clients give up after {spec['give_up_s']} s, "
         f"then the small request again; {spec['trials']} trials per mode.",
+        "Diffusion stage: " + "; ".join(f"{mode}: batch_invariant {info['batch_invariant']}, torch threads {info['torch_threads']}, "
+                                        f"max_batch_size {info['batching']['max_batch_size']}" for mode, info in report["stages"].items()) + ".",
         f"Hardware: {env['hardware']['cpu']}, {env['hardware']['usable_cpus']} usable CPUs. Command: `{env['command']}`",
         "",
         "| mode | trial | idle s | after abandonment s | engine empty after s | replica settled after s | engine forwards in trial |",

@@ -23,7 +23,6 @@ import contextlib
 import os
 import random
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
@@ -37,7 +36,7 @@ CLASSES = ("short", "long")
 class LoadSpec:
     """The arrival process: `requests` images at `rate` per second on average, `short_fraction` of them short."""
 
-    rate: float = 6.0
+    rate: float = 3.0
     requests: int = 160
     short_fraction: float = 0.5
     short_steps: int = 4
@@ -295,7 +294,9 @@ def picture(report: dict, path: str) -> None:
     width, height, left, base, bar = 120 + 150 * len(groups), 360, 60, 300, 40
     canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
-    draw.text((left, 8), "latency (s) per class, median over repeats, whiskers min-max", fill="black")
+    load = report["load"]
+    draw.text((left, 8), f"latency (s) per class: Poisson {load['rate']}/s, {load['short_fraction']:.0%} short ({load['short_steps']} steps) / "
+              f"long ({load['long_steps']}), {load['size']}x{load['size']}; median of {load['repeats']} repeats, whiskers min-max", fill="black")
     draw.line([(left, 40), (left, base), (width - 10, base)], fill="black")
     for tick in range(5):
         value = top * tick / 4

@@ -111,7 +111,7 @@ def markdown(report: dict) -> str:
         f"{spec['concurrency']} concurrent clients, after {spec['warm_up']} warm-up requests; one fresh process per mode.",
         f"Hardware: {env['hardware']['cpu']}, {env['hardware']['usable_cpus']} usable CPUs. Command: `{env['command']}`",
         "",
-        "| mode | RSS before MiB | RSS after MiB | growth MiB | growth after malloc_trim MiB | kept per key | seconds |",
+        "| mode | RSS before MiB | RSS after MiB | growth MiB | growth after malloc_trim MiB | stage state after (`describe`) | seconds |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
