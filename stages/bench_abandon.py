@@ -30,15 +30,17 @@ from stages.bench_load import all_cores, spread
 
 @dataclass(frozen=True)
 class AbandonSpec:
-    big_requests: int = 4
+    """One trial: `big_requests` requests of `big_n` images abandoned after `give_up_s`, then the small one timed."""
+
+    big_requests: int = 4  # the abandoned work: the issue's four n=8, 256x256, 50-step requests
     big_n: int = 8
     big_size: int = 256
     big_steps: int = 50
-    give_up_s: float = 1.0
-    small_steps: int = 1
+    give_up_s: float = 1.0  # when each big request's client closes its connection
+    small_steps: int = 1  # the small request timed right after
     small_size: int = 64
     trials: int = 3
-    settle_timeout_s: float = 600.0
+    settle_timeout_s: float = 600.0  # bound on waiting for the replica to be idle between trials
 
 
 def image_body(prompt: str, *, n: int, size: int, steps: int, seed: int) -> dict:

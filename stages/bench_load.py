@@ -38,11 +38,12 @@ class LoadSpec:
 
     rate: float = 3.0
     requests: int = 160
+    # The two classes of request: short and long, of one image size.
     short_fraction: float = 0.5
     short_steps: int = 4
     long_steps: int = 32
     size: int = 64
-    seed: int = 0
+    seed: int = 0  # of the arrival schedule (repeat r uses seed + r)
 
 
 @dataclass(frozen=True)

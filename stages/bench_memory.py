@@ -23,9 +23,11 @@ from stages.bench_load import open_stage, outside_serve
 
 @dataclass(frozen=True)
 class MemorySpec:
+    """`requests` requests, each with a guidance scale of its own, after `warm_up` ones; RSS every `checkpoint`."""
+
     requests: int = 10_000
     warm_up: int = 500
-    concurrency: int = 16
+    concurrency: int = 16  # clients sending at once
     steps: int = 1
     size: int = 64
     checkpoint: int = 1_000
