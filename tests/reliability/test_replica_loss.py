@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-REQUESTS, CONCURRENCY, KILL_AFTER_S = 160, 16, 3.0
+REQUESTS, CONCURRENCY, KILL_AFTER_DONE = 160, 16, 24
 APP = {
     # The LLM stage is not used here (enhance_prompt false): scaled to zero, it costs nothing.
     "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.1},
@@ -45,7 +45,11 @@ def body(i: int) -> dict:
 
 
 async def load(url: str, during=None) -> list[httpx.Response]:
-    """REQUESTS requests at CONCURRENCY; `during()` runs KILL_AFTER_S after the load started."""
+    """REQUESTS requests at CONCURRENCY; `during()` runs once KILL_AFTER_DONE of them have answered.
+
+    Counted, not timed: on a fast machine the whole load can finish within any fixed delay, and the kill
+    then proves nothing. After KILL_AFTER_DONE answers, CONCURRENCY requests are in flight on both replicas.
+    """
     gate = asyncio.Semaphore(CONCURRENCY)
     async with httpx.AsyncClient(base_url=url, timeout=180) as client:
 
@@ -55,7 +59,11 @@ async def load(url: str, during=None) -> list[httpx.Response]:
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(REQUESTS)]
         if during is not None:
-            await asyncio.sleep(KILL_AFTER_S)
+            answered = asyncio.as_completed(tasks)
+            for _ in range(KILL_AFTER_DONE):
+                await next(answered)
+            pending = sum(not t.done() for t in tasks)
+            assert pending >= CONCURRENCY, f"only {pending} requests left when the replica was to die"
             await asyncio.to_thread(during)
         return await asyncio.gather(*tasks)
 
