@@ -56,6 +56,16 @@ def _flag(name: str, value: str) -> bool:
     return value == "1"
 
 
+def _megabytes(name: str, value: str) -> int:
+    try:
+        megabytes = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a whole number of MiB") from None
+    if megabytes < 0:
+        raise ValueError(f"{name}={value!r}: a size cannot be negative")
+    return megabytes
+
+
 def _not_zero(name: str, value: str) -> bool:
     return value != "0"
 
@@ -82,6 +92,8 @@ VARIABLES: dict[str, Variable] = {
                  "where built models and compiled kernels live (default: $XDG_CACHE_HOME/omniserve)"),
         Variable("XDG_CACHE_HOME", None, _path, "the user's cache directory (default: ~/.cache)"),
         Variable("CXX", "c++", _text, "the C++ compiler that builds the batch-invariant CPU kernels"),
+        Variable("OMNISERVE_PACKED_WEIGHTS_MB", "2048", _megabytes,
+                 "bound on the CPU kernels' packed copies of weights, per process (0: pack on every call)"),
         Variable("OMNISERVE_VLLM_CPU_INVARIANT", "0", _flag,
                  "set by the LLM stage in its engine's processes: 1 turns the vLLM CPU plugin on"),
         Variable("VLLM_CPU_ATTN_SPLIT_KV", "1", _not_zero,

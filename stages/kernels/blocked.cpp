@@ -22,6 +22,13 @@
 //
 // Each kernel calls the stock kernel through an overload it never overrides (`bmm.out`
 // for mm and bmm, `mkldnn_convolution`/`_convolution` for convolution, ...).
+//
+// mm and addmm in float32 and bfloat16 take another road where the CPU has AVX-512 with bf16
+// (native.py compiles for it then): a GEMM of our own whose every output element is summed in
+// one fixed order (see "fixed-order GEMM on packed weights"). Fixed-shape blocks cost a decode
+// step dearly (one row padded to a block of 16: 0.15x of stock at M=1), and a kernel whose order
+// never depends on M needs no padding at all; it runs at the speed of the stock GEMMs
+// (docs/performance.md, `omniserve bench --stage kernels`).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +39,7 @@
 #include <algorithm>
 #include <numeric>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -186,6 +194,309 @@ Tensor first_columns(const Tensor& product, int64_t n) {
 
 int64_t line_elements(const Tensor& t) { return kLineBytes / static_cast<int64_t>(t.element_size()); }
 
+// --- fixed-order GEMM on packed weights (AVX-512) ----------------------------------
+//
+// out = beta * bias + alpha * (a @ b) for float32 and bfloat16, computed so that an output
+// element's arithmetic never depends on the number of rows, where its row sits, or the threads:
+// each element is one float32 accumulator that takes a[i][k] * b[k][j] for k = 0, 1, ..., K-1 in
+// that order, one FMA per k (float32), or one vdpbf16ps per pair (2p, 2p+1) of k (bfloat16). Rows
+// are computed in tiles of 1 to kTileRows rows that share loads, never arithmetic; threads split
+// the columns, never k; the k range is cut into chunks whose partial sums are stored to and
+// reloaded from a float32 buffer (exact). So no row needs padding: one row streams the weight once,
+// like a GEMV, and many rows run at the speed of a blocked GEMM (the loop nest of BLIS/oneDNN).
+//
+// The weight (b) is packed once into column panels of kPanel columns, k-major (for bfloat16, k
+// pairs interleaved, as vdpbf16ps takes them), and the packed copy is cached for as long as the
+// weight tensor lives unchanged (see PackedWeights).
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define OMNISERVE_PACKED_GEMM 1
+#include <immintrin.h>
+
+#include <atomic>
+#include <list>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+constexpr int kTileRows = 8, kVectors = 3, kPanel = 16 * kVectors;
+constexpr int64_t kDepthChunk = 512;  // k per chunk: a panel's chunk stays in L1/L2 while every row passes
+
+// Element type traits: float32 takes one k per step, bfloat16 a pair.
+template <typename T> struct Packing;
+template <> struct Packing<float> {
+  static constexpr int64_t kPerStep = 1;
+  static __m512 weights(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 broadcast(const float* a, int64_t k) { return _mm512_set1_ps(a[k]); }
+  static __m512 broadcast_last(const float* a, int64_t k) { return _mm512_set1_ps(a[k]); }
+  static __m512 step(__m512 acc, __m512 a, __m512 w) { return _mm512_fmadd_ps(a, w, acc); }
+};
+template <> struct Packing<c10::BFloat16> {
+  static constexpr int64_t kPerStep = 2;
+  static __m512 weights(const c10::BFloat16* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+  static __m512 broadcast(const c10::BFloat16* a, int64_t k) {
+    uint32_t pair;
+    std::memcpy(&pair, a + k, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+  }
+  // Odd depth: the last k pairs with a zero (the packed weight holds a zero there too).
+  static __m512 broadcast_last(const c10::BFloat16* a, int64_t k) {
+    uint16_t low;
+    std::memcpy(&low, a + k, sizeof low);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(low)));
+  }
+  static __m512 step(__m512 acc, __m512 a, __m512 w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(a), (__m512bh)_mm512_castps_si512(w));
+  }
+};
+
+// Packed layout: panel p (columns p*kPanel ...), step s (k = s*kPerStep ...): kPanel * kPerStep
+// elements, column-major within the step (each column's kPerStep k values adjacent); zero padded.
+template <typename T>
+Tensor pack_weight(const Tensor& b) {  // b: k x n
+  constexpr int64_t per = Packing<T>::kPerStep;
+  const int64_t k = b.size(0), n = b.size(1);
+  const int64_t panels = (n + kPanel - 1) / kPanel, steps = (k + per - 1) / per;
+  Tensor packed = at::zeros({panels, steps, kPanel * per}, b.options());
+  Tensor src = b.contiguous();
+  const T* s = src.data_ptr<T>();
+  T* d = packed.data_ptr<T>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t kk = 0; kk < k; ++kk)
+        for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c)
+          d[(p * steps + kk / per) * kPanel * per + c * per + kk % per] = s[kk * n + p * kPanel + c];
+  });
+  return packed;
+}
+
+struct PackedProblem {
+  const void* a; int64_t lda;  // rows x depth
+  const void* w;               // packed weight
+  int64_t depth, steps;        // k, and k steps of the packed weight
+  void* out; int64_t n;        // rows x n, contiguous
+  const void* bias; int64_t bias_row;  // rows x n with unit column stride (bias_row 0: one row for all); or null
+  float alpha, beta;
+};
+
+// Stores 16 results: (T)(beta * bias + alpha * acc), the same vector operations for every element.
+template <typename T>
+__attribute__((noinline)) void finish(const PackedProblem& p, __m512 acc, int64_t i, int64_t j) {
+  const int64_t left = std::min<int64_t>(16, p.n - j);
+  if (left <= 0) return;  // a panel's zero columns past n
+  const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+  __m512 value = _mm512_mul_ps(_mm512_set1_ps(p.alpha), acc);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out) + i * p.n + j;
+  if constexpr (std::is_same_v<T, float>) {
+    if (bias != nullptr)
+      value = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(p.beta), _mm512_maskz_loadu_ps(mask, bias + i * p.bias_row + j)), value);
+    _mm512_mask_storeu_ps(out, mask, value);
+  } else {
+    if (bias != nullptr) {
+      const __m512i raw = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + i * p.bias_row + j));
+      const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // bfloat16 -> float32: exact
+      value = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(p.beta), b), value);
+    }
+    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(value));
+  }
+}
+
+// R rows x one panel over steps [s0, s1): partial sums from `partial` (none at s0 == 0), the k
+// steps, then either back to `partial` or, after the last step, finished into the output.
+template <typename T, int R>
+void packed_tile(const PackedProblem& p, int64_t i0, int64_t panel, int64_t s0, int64_t s1, float* partial) {
+  using P = Packing<T>;
+  constexpr int64_t per = P::kPerStep;
+  const T* a = static_cast<const T*>(p.a) + i0 * p.lda;
+  const T* w = static_cast<const T*>(p.w) + (panel * p.steps + s0) * kPanel * per;
+  __m512 acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v)
+      acc[r][v] = s0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + (r * kVectors + v) * 16);
+  // Whole steps; then, for odd bfloat16 depth, the last k alone (never reading past the row).
+  const int64_t whole = std::min(s1, p.depth / per);
+  int64_t s = s0;
+  for (; s < whole; ++s, w += kPanel * per) {
+    __m512 wv[kVectors];
+    for (int v = 0; v < kVectors; ++v) wv[v] = P::weights(w + v * 16 * per);
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = P::broadcast(a + r * p.lda, s * per);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = P::step(acc[r][v], av, wv[v]);
+    }
+  }
+  if (s < s1) {
+    __m512 wv[kVectors];
+    for (int v = 0; v < kVectors; ++v) wv[v] = P::weights(w + v * 16 * per);
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = P::broadcast_last(a + r * p.lda, s * per);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = P::step(acc[r][v], av, wv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(partial + (r * kVectors + v) * 16, acc[r][v]);
+  if (s1 >= p.steps)  // after the last step: from the (L1-resident) partial sums into the output
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVectors; ++v)
+        finish<T>(p, _mm512_loadu_ps(partial + (r * kVectors + v) * 16), i0 + r, panel * kPanel + v * 16);
+}
+
+template <typename T>
+void packed_tile_rows(const PackedProblem& p, int64_t i, int rows, int64_t panel, int64_t s0, int64_t s1, float* partial) {
+  switch (rows) {
+    case 8: packed_tile<T, 8>(p, i, panel, s0, s1, partial); break;
+    case 7: packed_tile<T, 7>(p, i, panel, s0, s1, partial); break;
+    case 6: packed_tile<T, 6>(p, i, panel, s0, s1, partial); break;
+    case 5: packed_tile<T, 5>(p, i, panel, s0, s1, partial); break;
+    case 4: packed_tile<T, 4>(p, i, panel, s0, s1, partial); break;
+    case 3: packed_tile<T, 3>(p, i, panel, s0, s1, partial); break;
+    case 2: packed_tile<T, 2>(p, i, panel, s0, s1, partial); break;
+    case 1: packed_tile<T, 1>(p, i, panel, s0, s1, partial); break;
+    default: break;
+  }
+}
+static_assert(kTileRows == 8, "packed_tile_rows dispatches 1 to 8 rows");
+
+// The loop nest of BLIS: panels in groups, rows in blocks, k in chunks. A group's partial sums for
+// a block of rows stay in L2 while the block's slice of `a` for one k chunk (L2) is reused by every
+// panel of the group, and each panel's chunk (L1) by every row of the block. The blocking decides
+// what is in cache, never the order of any element's sum.
+template <typename T>
+void packed_panels(const PackedProblem& p, int64_t rows, int64_t begin, int64_t end) {
+  constexpr int64_t kBlockRows = 256, kPartialBytes = int64_t{1} << 19;
+  const int64_t chunk = std::max<int64_t>(1, kDepthChunk / Packing<T>::kPerStep);
+  const int64_t block = std::min<int64_t>(kBlockRows, (rows + kTileRows - 1) / kTileRows * kTileRows);
+  const int64_t group = std::max<int64_t>(1, kPartialBytes / (block * kPanel * static_cast<int64_t>(sizeof(float))));
+  std::vector<float> partial(static_cast<size_t>(block * group * kPanel));
+  for (int64_t g0 = begin; g0 < end; g0 += group) {
+    const int64_t g1 = std::min(end, g0 + group);
+    for (int64_t i0 = 0; i0 < rows; i0 += block) {
+      const int64_t i1 = std::min(rows, i0 + block);
+      for (int64_t s0 = 0; s0 < std::max<int64_t>(p.steps, 1); s0 += chunk)
+        for (int64_t panel = g0; panel < g1; ++panel)
+          for (int64_t i = i0; i < i1; i += kTileRows)
+            packed_tile_rows<T>(p, i, static_cast<int>(std::min<int64_t>(kTileRows, i1 - i)), panel, s0,
+                                std::min(p.steps, s0 + chunk),
+                                partial.data() + ((panel - g0) * block + (i - i0)) * kPanel);
+    }
+  }
+}
+
+// Packed copies of weights, kept while the weight lives unchanged: the cache holds a reference to
+// the weight (so its memory cannot be reused by another tensor at the same address) and its
+// version counter (an in-place change bumps it, and the copy is packed again). Bounded by bytes,
+// least recently used first out. Inference tensors carry no version counter: packed per call.
+class PackedWeights {
+ public:
+  void set_limit(int64_t bytes) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    limit_ = bytes;
+    evict();
+  }
+
+  template <typename T>
+  Tensor get(const Tensor& b) {
+    if (b.is_inference() || limit_ <= 0) {
+      ++uncached_;
+      return pack_weight<T>(b);
+    }
+    const Key key{reinterpret_cast<uintptr_t>(b.data_ptr()), b.size(0), b.size(1), b.stride(0), b.stride(1),
+                  static_cast<int>(b.scalar_type())};
+    const int64_t version = b._version();
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      auto found = entries_.find(key);
+      if (found != entries_.end() && found->second.version == version) {
+        order_.splice(order_.end(), order_, found->second.position);
+        ++hits_;
+        return found->second.packed;
+      }
+    }
+    ++packs_;
+    Tensor packed = pack_weight<T>(b);
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto found = entries_.find(key);
+    if (found != entries_.end()) {
+      bytes_ -= found->second.packed.nbytes();
+      order_.erase(found->second.position);
+      entries_.erase(found);
+    }
+    order_.push_back(key);
+    entries_.emplace(key, Entry{b, version, packed, std::prev(order_.end())});
+    bytes_ += packed.nbytes();
+    evict();
+    return packed;
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    entries_.clear();
+    order_.clear();
+    bytes_ = 0;
+  }
+
+  // hits, packs (cached), uncached packs (inference tensors or a zero limit), entries, bytes, limit.
+  void stats(int64_t* out) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    const int64_t values[] = {hits_, packs_, uncached_, static_cast<int64_t>(entries_.size()), bytes_, limit_};
+    std::copy(std::begin(values), std::end(values), out);
+  }
+
+ private:
+  using Key = std::tuple<uintptr_t, int64_t, int64_t, int64_t, int64_t, int>;
+  struct Entry {
+    Tensor source;
+    int64_t version;
+    Tensor packed;
+    std::list<Key>::iterator position;
+  };
+
+  void evict() {
+    while (bytes_ > limit_ && !order_.empty()) {
+      auto found = entries_.find(order_.front());
+      bytes_ -= found->second.packed.nbytes();
+      entries_.erase(found);
+      order_.pop_front();
+    }
+  }
+
+  std::mutex mutex_;
+  std::map<Key, Entry> entries_;
+  std::list<Key> order_;
+  int64_t bytes_ = 0, limit_ = int64_t{1} << 31;
+  std::atomic<int64_t> hits_{0}, packs_{0}, uncached_{0};
+};
+
+PackedWeights g_packed;
+
+template <typename T>
+Tensor packed_gemm(const Tensor& a, const Tensor& b, const Tensor* bias, float alpha, float beta) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  Tensor rows = a.stride(1) == 1 && (m == 1 || a.stride(0) >= k) ? a : a.contiguous();
+  Tensor packed = g_packed.get<T>(b);
+  Tensor out = at::empty({m, n}, a.options());
+  PackedProblem p{rows.data_ptr(), rows.stride(0), packed.data_ptr(), k, packed.size(1), out.data_ptr(), n,
+                  nullptr, 0, alpha, beta};
+  Tensor bias_rows;
+  if (bias != nullptr && beta != 0.0f) {  // beta 0 ignores the bias, as stock does
+    bias_rows = bias->to(a.scalar_type());
+    if (bias_rows.dim() < 2 || bias_rows.size(0) == 1) {  // one row for every output row
+      bias_rows = bias_rows.reshape({-1}).expand({n}).contiguous();
+    } else {
+      bias_rows = bias_rows.expand({m, n}).contiguous();
+      p.bias_row = n;
+    }
+    p.bias = bias_rows.data_ptr();
+  }
+  // Threads split the panels (columns), never k; enough work per thread to pay for waking it.
+  const int64_t panels = packed.size(0);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(m * k * kPanel, 1));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) { packed_panels<T>(p, m, begin, end); });
+  return out;
+}
+#endif
+
 // mm / addmm as one batched GEMM over fixed-size row blocks: (blocks, rows, k) @ (k, n).
 // ATen's batched GEMM computes each matrix of a batch on its own, the same way whatever the
 // batch count (measured: 2400 checks, float32 and bfloat16), so every row block is computed
@@ -212,12 +523,29 @@ Tensor gemm(const Tensor& a, const Tensor& b, const Tensor* bias, const c10::Sca
   return first_columns(out.view({count * rows, columns}).narrow(0, 0, m), n);
 }
 
+#ifdef OMNISERVE_PACKED_GEMM
+// a @ b (+ bias) by packed_gemm for float32 and bfloat16; undefined where it does not apply.
+Tensor fixed_order_product(const Tensor& a, const Tensor& b, const Tensor* bias, const c10::Scalar& beta,
+                           const c10::Scalar& alpha) {
+  const auto dtype = a.scalar_type();
+  if (b.scalar_type() != dtype) return Tensor();
+  if (dtype == at::kFloat) return packed_gemm<float>(a, b, bias, alpha.toFloat(), beta.toFloat());
+  if (dtype == at::kBFloat16) return packed_gemm<c10::BFloat16>(a, b, bias, alpha.toFloat(), beta.toFloat());
+  return Tensor();
+}
+#else
+Tensor fixed_order_product(const Tensor&, const Tensor&, const Tensor*, const c10::Scalar&, const c10::Scalar&) {
+  return Tensor();
+}
+#endif
+
 Tensor blocked_mm(const Tensor& a, const Tensor& b) {
   if (!floating(a) || a.size(0) == 0) {
     Tensor out = at::empty({0}, a.options());
     return at::mm_out(out, a, b);
   }
-  return gemm(a, b, nullptr, 1, 1);
+  Tensor out = fixed_order_product(a, b, nullptr, 0, 1);
+  return out.defined() ? out : gemm(a, b, nullptr, 1, 1);
 }
 
 Tensor blocked_addmm(const Tensor& bias, const Tensor& a, const Tensor& b, const c10::Scalar& beta, const c10::Scalar& alpha) {
@@ -225,7 +553,8 @@ Tensor blocked_addmm(const Tensor& bias, const Tensor& a, const Tensor& b, const
     Tensor out = at::empty({0}, a.options());
     return at::addmm_out(out, bias, a, b, beta, alpha);
   }
-  return gemm(a, b, &bias, beta, alpha);
+  Tensor out = fixed_order_product(a, b, &bias, beta, alpha);
+  return out.defined() ? out : gemm(a, b, &bias, beta, alpha);
 }
 
 // Each matrix on its own (see gemm), in one canonical layout: every input matrix line-aligned,
@@ -371,6 +700,21 @@ extern "C" int omniserve_kernels_install(const char* dispatch_key, const char* o
 
 extern "C" void omniserve_kernels_uninstall(const char* dispatch_key) {
   (std::string(dispatch_key) == "CPU" ? g_cpu : g_cuda).reset();
+#ifdef OMNISERVE_PACKED_GEMM
+  if (std::string(dispatch_key) == "CPU") g_packed.clear();  // nothing of ours outlives the kernels
+#endif
+}
+
+// The packed-weight cache: 1 if this build has the fixed-order packed GEMM (else 0 and nothing is
+// written); `stats` gets hits, packs, uncached packs, entries, bytes, limit. A limit >= 0 sets it.
+extern "C" int omniserve_kernels_packed_weights(int64_t limit, int64_t* stats) {
+#ifdef OMNISERVE_PACKED_GEMM
+  if (limit >= 0) g_packed.set_limit(limit);
+  g_packed.stats(stats);
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 extern "C" const char* omniserve_kernels_error() { return g_error.c_str(); }

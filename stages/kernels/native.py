@@ -44,13 +44,33 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 
 
+#: What blocked.cpp's fixed-order packed GEMM needs (AVX-512 with bf16 dot products); without them it
+#: is compiled out and mm/addmm take the library path over fixed row blocks.
+_PACKED_GEMM_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}
+_PACKED_GEMM_COMPILER_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+def packed_gemm_available() -> bool:
+    return _PACKED_GEMM_CPU_FLAGS <= cpu_flags()
+
+
 def _command(source: Path, output: Path) -> list[str]:
     # torch's own layout (what torch.utils.cpp_extension uses, without importing it: it imports
     # setuptools, which patches distutils in every server process that enables the kernels).
     root = Path(torch.__file__).parent
     includes, torch_lib = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include"), root / "lib"
     return [
-        envs.read("CXX"), "-O2", "-std=c++20", "-shared", "-fPIC", "-w",
+        envs.read("CXX"), "-O3", "-std=c++20", "-shared", "-fPIC", "-w",
+        *(_PACKED_GEMM_COMPILER_FLAGS if packed_gemm_available() else []),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
         str(source), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-o", str(output),
@@ -131,13 +151,25 @@ def _loaded() -> ctypes.CDLL:
             library.omniserve_kernels_install.restype = ctypes.c_int
             library.omniserve_kernels_uninstall.argtypes = [ctypes.c_char_p]
             library.omniserve_kernels_error.restype = ctypes.c_char_p
+            library.omniserve_kernels_packed_weights.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+            library.omniserve_kernels_packed_weights.restype = ctypes.c_int
             _library = library
         return _library
+
+
+def packed_weights(limit_bytes: int | None = None) -> dict | None:
+    """The packed-weight cache of the fixed-order GEMM (None where this build has none); sets its bound if given."""
+    stats = (ctypes.c_int64 * 6)()
+    if not _loaded().omniserve_kernels_packed_weights(-1 if limit_bytes is None else limit_bytes, stats):
+        return None
+    return dict(zip(("hits", "packs", "uncached_packs", "entries", "bytes", "limit_bytes"), stats))
 
 
 def install(dispatch_key: str, ops: tuple[str, ...]) -> list[str]:
     """Register the blocked kernels for `ops` on `dispatch_key` ("CPU" or "CUDA"); the aten names installed."""
     library = _loaded()
+    if dispatch_key == "CPU":
+        packed_weights(envs.read("OMNISERVE_PACKED_WEIGHTS_MB") << 20)
     if library.omniserve_kernels_install(dispatch_key.encode(), ",".join(ops).encode()) != 0:
         raise KernelBuildError(f"registering the kernels failed: {library.omniserve_kernels_error().decode()}")
     return [f"aten::{name}" for name in ops]

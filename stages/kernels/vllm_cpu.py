@@ -14,8 +14,8 @@ What it changes, and why:
   tokens in the step (measured: oneDNN computes one row differently from two or more when K
   is large), so a row's result depends on its neighbours. Under invariance each 2-D
   layer is bound to `F.linear` instead, which reaches `aten::mm`/`addmm`, where
-  `stages.kernels` installs its fixed-shape-blocked kernels (enabled in the process that
-  loads the model, on first use). Other weights (MoE experts, quantized layers) keep vLLM's
+  `stages.kernels` installs its fixed-order GEMM (enabled in the process that loads the model,
+  on first use); it packs each weight once, as vLLM's oneDNN path does at load time. Other weights (MoE experts, quantized layers) keep vLLM's
   kernels and are not covered.
 - CPU attention split-KV. `VLLM_CPU_ATTN_SPLIT_KV` lets the attention scheduler cut a decode
   request's KV range into pieces sized from the whole step's workload, which changes the
@@ -77,7 +77,8 @@ def _patch_gemm_dispatch() -> None:
                 _state["kept"].append(type(layer).__name__)
                 return stock(layer, remove_weight)
             _ensure_kernels()
-            # The weight stays (never packed or removed): F.linear reads it on every call.
+            _versioned_weight(layer)
+            # The weight stays: F.linear reaches the kernels, which pack it once and keep the copy.
             layer.cpu_linear = _linear
             _state["rerouted"].append(tuple(layer.weight.shape))
 
@@ -97,6 +98,17 @@ def _reroutable(layer) -> bool:
         and weight.ndim == 2
         and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
+
+
+def _versioned_weight(layer) -> None:
+    """Make the weight an ordinary tensor if it is an inference tensor: the kernels keep a packed copy
+    of a weight only while its version counter says it is unchanged, and inference tensors have none
+    (they would be packed again on every call)."""
+    import torch
+
+    if layer.weight.is_inference():
+        with torch.inference_mode(False):
+            layer.weight = torch.nn.Parameter(layer.weight.clone(), requires_grad=False)
 
 
 def _linear(x, weight, bias):
@@ -133,9 +145,16 @@ def process_report() -> dict:
         "rerouted_linear_layers": len(_state["rerouted"]),
         "stock_gemm_layers": len(_state["kept"]),
         "kernels": current_report().to_dict(),
+        "packed_weights": _packed_weights(),
         # On CUDA, vLLM's own mode (VLLM_BATCH_INVARIANT=1 -> init_batch_invariance()).
         "vllm_batch_invariant_mode": _vllm_mode(),
     }
+
+
+def _packed_weights() -> dict | None:
+    from stages.kernels import native
+
+    return native.packed_weights() if _state["kernels"] is not None else None
 
 
 def _vllm_mode() -> bool:

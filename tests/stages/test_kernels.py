@@ -19,6 +19,7 @@ from stages.kernels import (
     disable_batch_invariant_kernels,
     enable_batch_invariant_kernels,
 )
+from stages.kernels.native import packed_gemm_available
 
 DTYPES = [torch.float32, torch.bfloat16]
 REPLACEABLE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::group_norm")
@@ -425,3 +426,114 @@ def test_kernels_library_is_cached_under_a_name_that_follows_its_source(tmp_path
     )
     installed, built = out.split()
     assert installed == "True" and built.startswith(str(tmp_path)) and built.endswith(path.name)
+
+
+# --- the fixed-order packed GEMM (mm/addmm, float32 and bfloat16, AVX-512 builds) -------------------
+
+
+needs_packed_gemm = pytest.mark.skipif(
+    not packed_gemm_available(),
+    reason="this CPU lacks AVX-512 with bf16: mm/addmm take the fixed-block library path (tested above)")
+
+ROW_COUNTS = (1, 7, 8, 9, 300)  # around the 8-row tile and past the 256-row block
+
+
+def _rows_vary(k: int, n: int, dtype, threads: tuple[int, int]) -> bool:
+    """Whether a row's bits differ between computed alone (threads[0]) and among other rows (threads[1])."""
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    weight, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            torch.set_num_threads(threads[1])
+            together = F.linear(x, weight, bias)
+            torch.set_num_threads(threads[0])
+            for position in {0, rows // 2, rows - 1}:
+                if not torch.equal(F.linear(x[position : position + 1], weight, bias), together[position : position + 1]):
+                    return True
+    finally:
+        torch.set_num_threads(before)
+    return False
+
+
+GEMM_SHAPES = [(1, 1), (3, 47), (257, 49), (1024, 130), (512, 1408)]
+
+
+@needs_packed_gemm
+@pytest.mark.parametrize("k,n", GEMM_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [(1, 1), (1, 2), (2, 1)], ids=lambda t: f"{t[0]}vs{t[1]}threads")
+def test_kernels_packed_gemm_row_bits_follow_neither_rows_position_nor_threads(k, n, dtype, threads):
+    with batch_invariant_kernels():
+        assert native_packed_gemm_active()
+        assert not _rows_vary(k, n, dtype, threads)
+
+
+@needs_packed_gemm
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernels_off_control_packed_gemm_shapes_vary_with_rows_or_threads(dtype):
+    varied = [(k, n, t) for k, n in GEMM_SHAPES for t in [(1, 1), (1, 2)] if _rows_vary(k, n, dtype, t)]
+    _skip_unless_stock_varies(bool(varied), f"linear ({dtype}) at (K, N) in {GEMM_SHAPES}, rows {ROW_COUNTS}, 1 vs 1-2 threads")
+    assert varied
+
+
+def native_packed_gemm_active() -> bool:
+    from stages.kernels import native
+
+    return native.packed_weights() is not None
+
+
+@needs_packed_gemm
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)], ids=str)
+def test_kernels_addmm_every_bias_layout_alpha_beta_and_operand_layout_match_float64(dtype, tol):
+    gen = torch.Generator().manual_seed(21)
+    m, k, n = 19, 83, 61
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    biases = [torch.randn(n, generator=gen), torch.randn(m, n, generator=gen), torch.randn(m, 1, generator=gen),
+              torch.randn(1, n, generator=gen), torch.randn(n, m, generator=gen).t()]
+    with batch_invariant_kernels():
+        for bias in biases:
+            for alpha, beta in [(1.0, 1.0), (0.5, -2.0)]:
+                got = torch.addmm(bias.to(dtype), a.to(dtype), b.to(dtype), beta=beta, alpha=alpha)
+                want = torch.addmm(bias.double(), a.double(), b.double(), beta=beta, alpha=alpha)
+                assert got.shape == want.shape and got.is_contiguous()
+                assert torch.allclose(got.double(), want, rtol=tol, atol=tol * 10), (tuple(bias.shape), alpha, beta)
+        # beta 0 ignores the bias entirely, NaN included, as stock does
+        nan = torch.full((n,), float("nan"))
+        assert not torch.addmm(nan.to(dtype), a.to(dtype), b.to(dtype), beta=0).isnan().any()
+        # a transposed left operand and a row-major weight give the same bits as contiguous ones
+        assert torch.equal(torch.mm(a.t().contiguous().t().to(dtype), b.to(dtype)),
+                           torch.mm(a.to(dtype).contiguous(), b.t().contiguous().t().to(dtype)))
+
+
+@needs_packed_gemm
+def test_kernels_packed_weights_are_reused_repacked_when_changed_and_bounded():
+    from stages.kernels import native
+
+    gen = torch.Generator().manual_seed(5)
+    with batch_invariant_kernels():
+        weight, x = torch.randn(64, 40, generator=gen), torch.randn(3, 40, generator=gen)
+        first = F.linear(x, weight)
+        before = native.packed_weights()
+        assert torch.equal(F.linear(x, weight), first)
+        assert native.packed_weights()["hits"] == before["hits"] + 1
+        weight.mul_(2)  # in place: the version counter moves, the packed copy is stale
+        assert torch.equal(F.linear(x, weight), F.linear(x, weight.clone()))
+        assert not torch.equal(F.linear(x, weight), first)
+        with torch.inference_mode():  # no version counter: packed on each call, never cached
+            frozen = torch.randn(64, 40, generator=gen)
+            uncached = native.packed_weights()["uncached_packs"]
+            assert torch.equal(F.linear(x, frozen), F.linear(x, frozen.clone()))
+        assert native.packed_weights()["uncached_packs"] >= uncached + 2
+        limit = 4 * 64 * 48 * 4  # room for about four packed 40x64 weights
+        try:
+            native.packed_weights(limit)
+            weights = [torch.randn(64, 40, generator=gen) for _ in range(12)]
+            for w in weights:
+                F.linear(x, w)
+            stats = native.packed_weights()
+            assert 0 < stats["bytes"] <= limit and stats["entries"] < len(weights)
+        finally:
+            native.packed_weights(2 << 30)
+    assert native.packed_weights()["entries"] == 0  # disabling the kernels drops every packed copy
