@@ -68,12 +68,12 @@ def audit(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """`--load none`: images/s with kernels on vs off. Otherwise a served-load benchmark (see `omniserve bench -h`)."""
+    """One benchmark (see `omniserve bench -h`): its report printed as markdown, and written where asked."""
     import json
     from pathlib import Path
 
     command = ["omniserve", *sys.argv[1:]]
-    module, report = _bench_run(args, command)
+    module, report = (_bench_run if args.stage == "diffusion" else _stage_run)(args, command)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -82,7 +82,7 @@ def bench(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(module.markdown(report))
     if args.picture:
         if not hasattr(module, "picture"):
-            print("--picture applies to --load mixed only", file=sys.stderr)
+            print("--picture: this benchmark draws none (--load distinct-guidance, abandoned)", file=sys.stderr)
         else:
             module.picture(report, args.picture)
     print(module.markdown(report))
@@ -103,7 +103,7 @@ def _bench_run(args: argparse.Namespace, command: list[str]):
 
         return module, module.run_benchmark(
             args.model or embedded_models("diffusion"), command=command, sizes=args.sizes, batch_sizes=args.batch_sizes,
-            steps=args.steps, repeats=args.repeats or 5, log=_log)
+            steps=args.steps or 8, repeats=args.repeats or 5, log=_log)
     if args.load == "mixed":
         from stages import bench_load as module
 
@@ -114,7 +114,10 @@ def _bench_run(args: argparse.Namespace, command: list[str]):
     if args.load == "distinct-guidance":
         from stages import bench_memory as module
 
-        spec = module.MemorySpec(**_given(args, "requests", "warm_up", "concurrency", "size"))
+        given = _given(args, "requests", "warm_up", "size")
+        if args.concurrency:
+            given["concurrency"] = _one(args.concurrency, "--concurrency")
+        spec = module.MemorySpec(**given)
         return module, module.run_memory(spec, modes=args.modes, model=model, torch_threads=args.torch_threads,
                                          command=command, log=_log)
     from orchestration import build_app
@@ -122,6 +125,41 @@ def _bench_run(args: argparse.Namespace, command: list[str]):
 
     spec = module.AbandonSpec(**_given(args, "give_up_s", "big_requests"), trials=args.repeats or 3)
     return module, module.run_abandon(build_app, spec, modes=args.modes, command=command, log=_log)
+
+
+def _one(values: list[int], option: str) -> int:
+    if len(values) != 1:
+        raise SystemExit(f"{option}: this benchmark takes one value, got {values}")
+    return values[0]
+
+
+def _stage_run(args: argparse.Namespace, command: list[str]):
+    """(the benchmark's module, its report) for `--stage llm | app | kernels`."""
+    if args.stage == "llm":
+        from stages import bench_llm as module
+
+        given = _given(args, "concurrency", "requests", "max_tokens", "torch_threads", "repeats")
+        spec = module.LLMBenchSpec(**given, model=args.model[0] if args.model else None)
+        return module, module.run_llm_bench(spec, command=command, log=_log)
+    if args.stage == "app":
+        from orchestration import bench_app as module
+        from orchestration import build_app
+        from orchestration.config import AppConfig
+
+        given = _given(args, "concurrency", "requests", "size", "steps", "repeats")
+        app = AppConfig.from_args(dict(_pair(item) for item in args.app)).model_dump(exclude_unset=True) if args.app else {}
+        spec = module.AppBenchSpec(**given, rewrites=[w == "on" for w in args.rewrites], app=app)
+        return module, module.run_app_bench(build_app, spec, command=command, log=_log)
+    from stages import bench_gemm as module  # the CPU GEMM kernels against stock, per thread count
+
+    return module, module.run_benchmark(repeats=args.repeats or 5, threads=args.threads, command=command)
+
+
+def _pair(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--app takes key=value (e.g. diffusion.num_replicas=2), got {item!r}")
+    return key, value
 
 
 def _audit_parser(commands) -> None:
@@ -158,25 +196,42 @@ def _audit_parser(commands) -> None:
 
 def _bench_parser(commands) -> None:
     parser = commands.add_parser(
-        "bench", help="diffusion benchmarks: kernels on vs off, and the stage under served loads",
-        description="--load none (default): images/s of the diffusion renderer with batch-invariant kernels on vs off. "
+        "bench", help="benchmarks: invariance off vs on per stage and for the app, and the diffusion stage under load",
+        description="Every benchmark measures in one run, settings alternating, several repeats; ratios are "
+        "median (min-max). --stage diffusion --load none (default): images/s of the diffusion renderer with "
+        "batch-invariant kernels on vs off, per size and batch size. --stage llm: the LLM stage's chat request on two "
+        "engines (invariance off, on), output tokens/s and p50/p95 latency per concurrency. --stage app: two apps "
+        "over HTTP (local Ray, loopback), both stages off vs both on, images/s and p50/p95 latency with prompt "
+        "rewriting off and on. --stage kernels: the CPU GEMM kernels against stock, per thread count. "
+        "--picture: a PNG of the on/off ratio against batch size or concurrency (--load mixed: latency bars). "
         "--load mixed: Poisson arrivals of short and long requests, step-level vs request-level batching alternating "
-        "in one process (per-class p50/p95 latency, images/s; --picture draws them). --load distinct-guidance: RSS "
-        "growth of a replica after many requests with distinct guidance_scale values (a fresh process per mode). "
-        "--load abandoned: on the default app over HTTP (local Ray), a small request right after big ones whose "
-        "clients gave up. Options left out take each benchmark's own defaults (stages/bench*.py).",
+        "in one process. --load distinct-guidance: RSS growth of a replica after many requests with distinct "
+        "guidance_scale values. --load abandoned: on the default app over HTTP, a small request right after big "
+        "ones whose clients gave up. Options left out take each benchmark's own defaults (stages/bench*.py, "
+        "orchestration/bench_app.py).",
     )
-    parser.add_argument("--stage", choices=["diffusion"], default="diffusion")
-    parser.add_argument("--load", choices=["none", "mixed", "distinct-guidance", "abandoned"], default="none")
+    parser.add_argument("--stage", choices=["diffusion", "llm", "app", "kernels"], default="diffusion")
+    parser.add_argument("--load", choices=["none", "mixed", "distinct-guidance", "abandoned"], default="none",
+                        help="--stage diffusion only")
     parser.add_argument("--model", action="append", help="model id or path (repeatable; default: the embedded ones)")
-    parser.add_argument("--repeats", type=int, help="repeats per setting (default 5; trials per mode for abandoned: 3)")
+    parser.add_argument("--repeats", type=int, help="repeats per setting (default 5; llm, app, abandoned: 3)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", metavar="PATH")
-    parser.add_argument("--picture", metavar="PATH", help="--load mixed: PNG bars of p50/p95 latency per class and mode")
-    kernels = parser.add_argument_group("--load none (kernels on vs off)")
+    parser.add_argument("--picture", metavar="PATH", help="PNG: on/off ratio (llm, app, kernels, --load none); "
+                        "--load mixed: p50/p95 latency bars per class and mode")
+    kernels = parser.add_argument_group("--stage diffusion --load none (kernels on vs off)")
     kernels.add_argument("--sizes", type=_ints, default=[64, 256], help="image sides, e.g. 64,256")
     kernels.add_argument("--batch-sizes", type=_ints, default=[1, 4, 8])
-    kernels.add_argument("--steps", type=int, default=8)
+    kernels.add_argument("--steps", type=int, help="denoising steps (default 8)")
+    stages = parser.add_argument_group("--stage llm / app (invariance off vs on)")
+    stages.add_argument("--concurrency", type=_ints, help="requests in flight, e.g. 1,4,8,16 (llm default; app: 16; "
+                        "distinct-guidance: one value, 16)")
+    stages.add_argument("--max-tokens", type=int, help="llm: output tokens per request, exactly (default 32)")
+    stages.add_argument("--rewrites", type=_words, default=["off", "on"], help="app: enhance_prompt settings (default off,on)")
+    stages.add_argument("--app", action="append", metavar="KEY=VALUE", default=[],
+                        help="app: config both apps share, dotted keys (e.g. diffusion.num_replicas=2; repeatable)")
+    parser.add_argument_group("--stage kernels").add_argument("--threads", type=_ints, default=[1, 2],
+                                                             help="torch threads, e.g. 1,2")
     _bench_load_options(parser)
     parser.set_defaults(run=bench)
 
@@ -184,10 +239,11 @@ def _bench_parser(commands) -> None:
 def _bench_load_options(parser) -> None:
     served = parser.add_argument_group("--load mixed / distinct-guidance / abandoned (the stage under load)")
     served.add_argument("--modes", type=_words, default=["step", "request"], help="batching modes (default: step,request)")
-    served.add_argument("--requests", type=int, help="requests per run (mixed: 160; distinct-guidance: 10000)")
-    served.add_argument("--size", type=int, help="image side (default 64)")
+    served.add_argument("--requests", type=int, help="requests per run or point (mixed: 160; distinct-guidance: 10000; "
+                        "llm: 64; app: 96)")
+    served.add_argument("--size", type=int, help="image side (default 64; also --stage app)")
     served.add_argument("--max-batch-size", type=int, default=8)
-    served.add_argument("--torch-threads", type=int, help="threads per stage (default: all usable cores)")
+    served.add_argument("--torch-threads", type=int, help="threads per stage (default: all usable cores; llm: the stage's, 1)")
     mixed = parser.add_argument_group("--load mixed")
     mixed.add_argument("--rate", type=float, help="mean arrivals per second (Poisson)")
     mixed.add_argument("--short-fraction", type=float, help="share of short requests (default 0.5)")
@@ -196,7 +252,6 @@ def _bench_load_options(parser) -> None:
     mixed.add_argument("--seed", type=int, help="the schedule's seed (repeat r uses seed + r)")
     memory = parser.add_argument_group("--load distinct-guidance")
     memory.add_argument("--warm-up", type=int, help="requests before the first RSS reading (default 500)")
-    memory.add_argument("--concurrency", type=int, help="concurrent clients (default 16)")
     abandoned = parser.add_argument_group("--load abandoned")
     abandoned.add_argument("--big-requests", type=int, help="abandoned n=8 256x256 50-step requests (default 4)")
     abandoned.add_argument("--give-up-s", type=float, help="the big clients' timeout (default 1.0)")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from contracts.sampling import DiffusionSamplingParams
 from stages.audit.diffusion import stock_renderer
+from stages.bench_load import spread
 from stages.diffusion import DiffusionRenderer, Job
 from stages.embedded import embedded_models
 from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
@@ -55,6 +56,8 @@ def benchmark_model(
                 "model": model, "size": size, "steps": steps, "batch_size": batch,
                 "images_per_s_off": round(batch / off, 3), "images_per_s_on": round(batch / on, 3),
                 "on_over_off": round(off / on, 3), "repeats": repeats,
+                # Per repeat, off and on ran back to back: their ratios show the spread the medians hide.
+                "on_over_off_paired": spread([a / b for a, b in zip(timings[("off", batch)], timings[("on", batch)])]),
             }
             rows.append(row)
             log(f"[bench] {model} {size}px batch {batch}: off {row['images_per_s_off']} img/s, "
@@ -72,6 +75,11 @@ def run_benchmark(models: Sequence[str] = embedded_models("diffusion"), *, comma
     return {"rows": rows, "environment": environment(command)}
 
 
+def _paired(row: dict) -> str:
+    paired = row.get("on_over_off_paired")  # absent from reports written before it was recorded
+    return f" (paired {paired['min']}-{paired['max']})" if paired else ""
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [
@@ -83,5 +91,17 @@ def markdown(report: dict) -> str:
     ]
     for r in report["rows"]:
         lines.append(f"| {r['model']} | {r['size']}x{r['size']} | {r['steps']} | {r['batch_size']} | "
-                     f"{r['images_per_s_off']} | {r['images_per_s_on']} | {r['on_over_off']} |")
+                     f"{r['images_per_s_off']} | {r['images_per_s_on']} | {r['on_over_off']}{_paired(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def picture(report: dict, path: str) -> None:
+    """On/off images/s against batch size, one line per model and size (median, min-max over repeats)."""
+    from stages.bench_plot import ratio_picture
+
+    series: dict[str, list] = {}
+    for r in report["rows"]:
+        series.setdefault(f"{r['model'].rsplit('/', 1)[-1]} {r['size']}px", []).append((r["batch_size"], r["on_over_off_paired"]))
+    repeats = report["rows"][0]["repeats"] if report["rows"] else 0
+    ratio_picture(path, title=f"diffusion renderer, images/s kernels on / off; {repeats} repeats paired, median, whiskers min-max",
+                  x_label="batch size", series=series)

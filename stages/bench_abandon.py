@@ -18,7 +18,6 @@ Every request sets `enhance_prompt: false`: the figure is the diffusion stage's.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -119,18 +118,6 @@ async def trial(client: Client, number: int) -> dict:
             "same_bytes": solo_sha == after_sha}
 
 
-def _start_ray() -> str:
-    import ray
-    from ray import serve
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(address="local", num_cpus=all_cores(), include_dashboard=False, log_to_driver=False, namespace="omniserve-bench")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return f"http://127.0.0.1:{port}"
-
-
 def run_abandon(
     build_app: Callable[[dict], object],
     spec: AbandonSpec,
@@ -139,14 +126,13 @@ def run_abandon(
     command: Sequence[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    import ray
     from ray import serve
 
     from stages.audit.report import environment
+    from stages.local_serve import local_serve
 
     runs, stage_info = [], {}
-    base = _start_ray()
-    try:
+    with local_serve(all_cores(), "omniserve-bench") as base:
         for mode in modes:
             started = time.perf_counter()
             serve.run(build_app({"diffusion": {"batching": mode}}), name="omniserve-bench", route_prefix="/")
@@ -159,9 +145,6 @@ def run_abandon(
                 runs.append({"mode": mode, **asyncio.run(trial(client, number))})
                 log(f"[bench] {mode} trial {number}: {runs[-1]}")
             serve.delete("omniserve-bench")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return summarize(runs, spec, modes, stage_info, environment(command))
 
 

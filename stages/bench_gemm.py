@@ -137,3 +137,20 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {k} x {n} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines)
+
+
+def picture(report: dict, path: str) -> None:
+    """stock / invariant against M, one line per thread count and dtype: the median over the (K, N)
+    shapes of each shape's median, whiskers from the lowest to the highest single repeat of any shape."""
+    from stages.bench_plot import ratio_picture
+
+    by_point: dict[tuple[str, int], list[dict]] = {}
+    for r in report["rows"]:
+        by_point.setdefault((f"{r['threads']} thread(s) {r['dtype']}", r["m"]), []).append(r["stock_over_invariant"])
+    series: dict[str, list] = {}
+    for (label, m), spreads in by_point.items():
+        series.setdefault(label, []).append((m, {"median": statistics.median(s["median"] for s in spreads),
+                                                 "min": min(s["min"] for s in spreads),
+                                                 "max": max(s["max"] for s in spreads)}))
+    ratio_picture(path, title=f"F.linear at {len(SHAPES)} (K, N) shapes, time stock / invariant; "
+                  f"{report['repeats']} repeats paired", x_label="rows M", series=series)

@@ -285,36 +285,26 @@ def markdown(report: dict) -> str:
 
 def picture(report: dict, path: str) -> None:
     """Bars of p95 (and p50) latency per class and mode, medians with min-max whiskers; images/s in the legend."""
-    from PIL import Image, ImageDraw
+    from stages.bench_plot import COLOURS, Chart
 
-    colours = {"step": (46, 117, 182), "request": (214, 96, 77)}
+    colours = {"step": COLOURS[0], "request": COLOURS[1]}
     summary = report["summary"]
     modes = list(summary)
     groups = [(kind, q) for kind in CLASSES for q in ("p50", "p95") if f"{kind}_{q}_s" in summary[modes[0]]]
     top = max(summary[m][f"{k}_{q}_s"]["max"] for m in modes for k, q in groups) or 1.0
-    width, height, left, base, bar = 120 + 150 * len(groups), 360, 60, 300, 40
-    canvas = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(canvas)
-    load = report["load"]
-    draw.text((left, 8), f"latency (s) per class: Poisson {load['rate']}/s, {load['short_fraction']:.0%} short ({load['short_steps']} steps) / "
-              f"long ({load['long_steps']}), {load['size']}x{load['size']}; median of {load['repeats']} repeats, whiskers min-max", fill="black")
-    draw.line([(left, 40), (left, base), (width - 10, base)], fill="black")
-    for tick in range(5):
-        value = top * tick / 4
-        y = base - (base - 40) * tick / 4
-        draw.text((4, y - 6), f"{value:.2f}", fill="black")
-    scale = (base - 40) / top
+    load, bar = report["load"], 40
+    chart = Chart(120 + 150 * len(groups), 360, f"latency (s) per class: Poisson {load['rate']}/s, {load['short_fraction']:.0%} short "
+                  f"({load['short_steps']} steps) / long ({load['long_steps']}), {load['size']}x{load['size']}; median of "
+                  f"{load['repeats']} repeats, whiskers min-max", low=0.0, high=top)
     for g, (kind, q) in enumerate(groups):
-        x0 = left + 20 + g * 150
+        x0 = chart.left + 20 + g * 150
         for m, mode in enumerate(modes):
             s = summary[mode][f"{kind}_{q}_s"]
             x = x0 + m * (bar + 6)
-            draw.rectangle([x, base - s["median"] * scale, x + bar, base], fill=colours.get(mode, (120, 120, 120)))
-            draw.line([(x + bar // 2, base - s["min"] * scale), (x + bar // 2, base - s["max"] * scale)], fill="black", width=2)
-            draw.text((x, base - s["median"] * scale - 14), f"{s['median']:.2f}", fill="black")
-        draw.text((x0, base + 8), f"{kind} {q}", fill="black")
+            chart.draw.rectangle([x, chart.y(s["median"]), x + bar, chart.base], fill=colours.get(mode, (120, 120, 120)))
+            chart.whisker(x + bar // 2, s["min"], s["max"])
+            chart.draw.text((x, chart.y(s["median"]) - 14), f"{s['median']:.2f}", fill="black")
+        chart.draw.text((x0, chart.base + 8), f"{kind} {q}", fill="black")
     for m, mode in enumerate(modes):
-        x, y = left + 260 * m, base + 30
-        draw.rectangle([x, y, x + 12, y + 10], fill=colours.get(mode, (120, 120, 120)))
-        draw.text((x + 16, y), f"{mode}: {summary[mode]['images_per_s']['median']:.2f} images/s", fill="black")
-    canvas.save(path, format="PNG")
+        chart.legend(m, f"{mode}: {summary[mode]['images_per_s']['median']:.2f} images/s", colours.get(mode, (120, 120, 120)))
+    chart.save(path)

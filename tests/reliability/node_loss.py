@@ -20,13 +20,14 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import psutil
+
+from stages.local_serve import free_port
 
 APP = {
     "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.1},
@@ -42,12 +43,6 @@ REQUESTS, CONCURRENCY, REMOVE_AFTER_DONE, CLIENT_TIMEOUT_S = 120, 12, 12, 120
 LOOPBACK = "127.0.0.1"
 # Ray's single-machine mode: every address it binds and dials is the loopback (read when ray is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def body(i: int) -> dict:
