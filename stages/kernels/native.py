@@ -69,7 +69,7 @@ def _command(source: Path, output: Path) -> list[str]:
     root = Path(torch.__file__).parent
     includes, torch_lib = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include"), root / "lib"
     return [
-        envs.read("CXX"), "-O3", "-std=c++20", "-shared", "-fPIC", "-w",
+        envs.read("CXX"), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
         *(_PACKED_GEMM_COMPILER_FLAGS if packed_gemm_available() else []),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
