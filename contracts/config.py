@@ -82,7 +82,9 @@ class StageConfig(DeploymentConfig):
 
 class LLMStageConfig(StageConfig):
     max_model_len: Annotated[int, Field(ge=16)] = 1024
-    max_num_seqs: Annotated[int, Field(ge=1)] = 8  # the engine's batch: sequences per scheduling step
+    # The engine's batch: sequences per scheduling step. 8, the batch sizes the LLM audit covers: 16 measured no
+    # faster in the default app once rewrites were short (docs/performance.md, balancing the pipeline).
+    max_num_seqs: Annotated[int, Field(ge=1)] = 8
     kv_cache_gib: Annotated[float, Field(gt=0)] | None = None  # None (and no utilization): 0.25 GiB
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
     system_prompt: str | None = None  # None: the stage's own rewriting instruction
@@ -166,3 +168,11 @@ class IngressConfig(DeploymentConfig):
     # to another replica: this many attempts in all (1: never), `retry_backoff_s` x attempt apart.
     retry_attempts: Annotated[int, Field(ge=1, le=10)] = 4
     retry_backoff_s: Annotated[float, Field(ge=0)] = 0.5
+    # Prompt rewrites kept by each ingress replica, least recently used dropped first (0: none). None: DEFAULT_
+    # REWRITE_CACHE_ENTRIES when the LLM stage is batch-invariant (a rewrite is then a pure function of the prompt
+    # and its seeded params, so a kept one is exact), else 0 (a rewrite then depends on its batch).
+    rewrite_cache_entries: Annotated[int, Field(ge=0)] | None = None
+
+
+#: The rewrite cache's default bound, in entries (each one rewrite: its text, token ids and logprobs, ~2 KB).
+DEFAULT_REWRITE_CACHE_ENTRIES = 1024

@@ -15,7 +15,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.config import DeploymentConfig, DiffusionStageConfig, IngressConfig, LLMStageConfig
+from contracts.config import (
+    DEFAULT_REWRITE_CACHE_ENTRIES,
+    DeploymentConfig,
+    DiffusionStageConfig,
+    IngressConfig,
+    LLMStageConfig,
+)
 from contracts.invariance import STAGES, resolve_batch_invariant
 
 #: Deployment names (fixed: Serve config files, /health and operators refer to them).
@@ -50,6 +56,13 @@ class AppConfig(BaseModel):
     def switches(self) -> dict[str, bool]:
         """{stage: batch_invariant}; call on a resolved config."""
         return {stage: bool(getattr(self, stage).batch_invariant) for stage in STAGES}
+
+    @property
+    def rewrite_cache_entries(self) -> int:
+        """The ingress's rewrite cache bound; unset: on (DEFAULT_REWRITE_CACHE_ENTRIES) only when the LLM is invariant."""
+        if self.ingress.rewrite_cache_entries is not None:
+            return self.ingress.rewrite_cache_entries
+        return DEFAULT_REWRITE_CACHE_ENTRIES if self.switches["llm"] else 0
 
     def deployment(self, part: str) -> DeploymentConfig:
         return getattr(self, part)

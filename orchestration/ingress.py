@@ -24,7 +24,7 @@ from contracts.invariance import STAGES
 
 from .config import AppConfig
 from .health import HealthProbe, HealthResponse
-from .pipeline import ImagePipeline, admit_chat, admit_edit, admit_images
+from .pipeline import ImagePipeline, RewriteCache, admit_chat, admit_edit, admit_images
 from .responses import chat_response, images_response
 from .retries import Retrying
 
@@ -38,7 +38,7 @@ class Ingress:
         self.config = config
         self.handles = {"llm": llm, "diffusion": diffusion}
         self.retrying = Retrying(config.ingress.retry_attempts, config.ingress.retry_backoff_s)
-        self.pipeline = ImagePipeline(llm, diffusion, self.retrying)
+        self.pipeline = ImagePipeline(llm, diffusion, self.retrying, RewriteCache(config.rewrite_cache_entries))
         self.probe = HealthProbe(self.handles, config)
         self._served_models: dict[str, str] = {}
 
@@ -71,6 +71,7 @@ class Ingress:
     async def health(self) -> HealthResponse:
         report = await self.probe.report()
         report.ingress["retried_calls"] = self.retrying.retried  # stage calls sent again after an infrastructure failure
+        report.ingress["rewrite_cache"] = self.pipeline.rewrites.stats  # this replica's (each ingress replica keeps its own)
         return report
 
     async def served_model(self, stage: str) -> str:

@@ -4,6 +4,7 @@
     admit_edit(request, config) -> ImagePlan       the same, for an edit: its image admitted, its size the image's
     ImagePipeline.run(plan) -> [ImageResult]       n images concurrently, so the diffusion stage co-batches
                                                    (an edit's images: DiffusionStage.edit with the plan's image)
+    RewriteCache                                   rewrites already made, by (prompt, seeded params): bounded LRU
 
 Image i is a pure function of (prompt, parameters, s_i), with s_i = seed_for_image(seed, i): a request
 with n=1 and seed=s_i reproduces it bit for bit, revised prompt included. The stages admit what they are
@@ -13,6 +14,7 @@ handed again, with the same functions (contracts.admission).
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -82,19 +84,74 @@ def admit_chat(request: ChatCompletionRequest, config: AppConfig) -> LLMSampling
     return params
 
 
+class RewriteCache:
+    """The LLM stage's rewrites by (prompt, seeded sampling params), the least recently used dropped past `max_entries`.
+
+    Exact when the LLM stage is batch-invariant: a rewrite is then a pure function of (model, system prompt,
+    prompt, params), and the first two are fixed for the life of this ingress replica (a new config starts new
+    replicas, with empty caches). It lives in the ingress, not the stage: a hit then costs no Ray call at all
+    (on a CPU box the call itself costs a few ms of the ingress's and the replica's CPU), and its only cost is
+    that each ingress replica keeps its own. A failed rewrite is never kept; two identical rewrites in flight at
+    once both run (the second one is kept, the same bytes).
+    """
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, str], RevisedPrompt] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(prompt: str, params: LLMSamplingParams) -> tuple[str, str]:
+        return prompt, params.model_dump_json()
+
+    def get(self, prompt: str, params: LLMSamplingParams) -> RevisedPrompt | None:
+        if not self.max_entries:
+            return None
+        key = self.key(prompt, params)
+        found = self._entries.get(key)
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, prompt: str, params: LLMSamplingParams, rewrite: RevisedPrompt) -> None:
+        if not self.max_entries:
+            return
+        self._entries[self.key(prompt, params)] = rewrite
+        self._entries.move_to_end(self.key(prompt, params))
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"max_entries": self.max_entries, "entries": len(self._entries), "hits": self.hits, "misses": self.misses}
+
+
 class ImagePipeline:
     """Calls the stages through their DeploymentHandles; only contracts types cross."""
 
-    def __init__(self, llm, diffusion, retrying: Retrying):
+    def __init__(self, llm, diffusion, retrying: Retrying, rewrites: RewriteCache | None = None):
         self.llm = llm
         self.diffusion = diffusion
         self.retrying = retrying
+        self.rewrites = rewrites or RewriteCache(0)
+
+    async def rewrite(self, prompt: str, llm_params: LLMSamplingParams) -> RevisedPrompt:
+        """The prompt's rewrite: kept from before, else from the LLM stage (and then kept)."""
+        rewrite = self.rewrites.get(prompt, llm_params)
+        if rewrite is None:
+            rewrite = await self.retrying.call("the LLM stage's rewrite", lambda: self.llm.enhance.remote(prompt, llm_params))
+            self.rewrites.put(prompt, llm_params, rewrite)
+        return rewrite
 
     async def image(self, prompt: str, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams,
                     init_image: bytes | None = None) -> ImageResult:
         rewrite = None
         if llm_params is not None:
-            rewrite = await self.retrying.call("the LLM stage's rewrite", lambda: self.llm.enhance.remote(prompt, llm_params))
+            rewrite = await self.rewrite(prompt, llm_params)
             prompt = rewrite.revised_prompt
         if init_image is None:
             image = await self.retrying.call("a render", lambda: self.diffusion.generate.remote(prompt, params))

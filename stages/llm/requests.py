@@ -10,8 +10,10 @@ grammar (`stages.embedded.llm.StyleEnhancement`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from contracts.admission import admit_llm_params, admit_messages, admit_prompt
@@ -49,6 +51,7 @@ def refused_by_vllm(field: str, *, kinds: tuple[type[BaseException], ...] = ()) 
 
 class EnhancementPolicy(Protocol):
     structured_output: bool
+    system_prompt: str  # the instruction when the config gives none
 
     def sampling(self, params: LLMSamplingParams) -> tuple[LLMSamplingParams, dict[str, Any]]:
         """The params an enhancement really runs with, and extra vLLM SamplingParams fields."""
@@ -61,6 +64,7 @@ class FreeRewrite:
     """A real model's enhancement: its own rewrite; the prompt itself when it wrote nothing."""
 
     structured_output = False
+    system_prompt = DEFAULT_SYSTEM_PROMPT
 
     def sampling(self, params: LLMSamplingParams) -> tuple[LLMSamplingParams, dict[str, Any]]:
         return params, {}
@@ -73,8 +77,26 @@ def enhancement_policy(engine: LLMEngine) -> EnhancementPolicy:
     if engine.model.embedded:
         from stages.embedded.llm import StyleEnhancement
 
-        return StyleEnhancement()
+        return StyleEnhancement(engine.tokenizer)
     return FreeRewrite()
+
+
+@dataclass
+class EnhanceStats:
+    """Counters of this replica's rewrites, for describe(): where the pipeline's LLM time goes."""
+
+    rewrites: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Seconds rewrites spent in the engine (queued + computed), summed: over a wall-clock window, the mean
+    # number of rewrites in the engine at once (at most max_num_seqs of them run in one step).
+    engine_s: float = 0.0
+
+    def add(self, prompt_tokens: int, completion_tokens: int, engine_s: float) -> None:
+        self.rewrites += 1
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.engine_s += engine_s
 
 
 class LLMRequests:
@@ -82,8 +104,9 @@ class LLMRequests:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.system_prompt = engine.config.system_prompt or DEFAULT_SYSTEM_PROMPT
         self.policy = enhancement_policy(engine)
+        self.system_prompt = engine.config.system_prompt or self.policy.system_prompt
+        self.stats = EnhanceStats()
 
     # -- encoding --
 
@@ -135,7 +158,9 @@ class LLMRequests:
         params = self.admit(params)
         prompt = admit_prompt(prompt)
         prompt_ids, run_params, sampling = self.enhancement(prompt, params)
+        started = time.perf_counter()
         result = await self.generate(prompt_ids, sampling, field="prompt")
+        self.stats.add(len(prompt_ids), len(result.token_ids), time.perf_counter() - started)
         return RevisedPrompt(
             revised_prompt=self.policy.compose(prompt, result.text.strip()),
             prompt=prompt,

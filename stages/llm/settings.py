@@ -65,6 +65,8 @@ def engine_settings(config: LLMStageConfig, model: ModelChoice) -> EngineSetting
     environment.update(_switch_environment(config.device, config.batch_invariant))
     invariance["environment"] = dict(environment)
     args.update(config.engine_args)
+    if config.device == "cpu" and args.get("distributed_executor_backend") == "uni":
+        environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see _base_args
     return EngineSettings(args, environment, invariance)
 
 
@@ -89,12 +91,24 @@ def _base_args(config: LLMStageConfig, model: ModelChoice) -> dict[str, Any]:
         # vLLM 0.32's CPU runner crashes ("CPU Generator does not use offset") when a seeded
         # request's prefill is chunked, so whole prefills only, switch on or off.
         args["enable_chunked_prefill"] = False
+        if not _parallel(config.engine_args):
+            # One worker, inside the engine-core process: with a worker process of its own, the worker and the
+            # engine core each busy-wait (sched_yield, 1 s after every message) on their shared-memory queues,
+            # two spinning processes that on a small CPU box take the cores the model and the diffusion stage need.
+            # vLLM's CPU platform turns "uni" back into "mp" unless V1 multiprocessing is off; AsyncLLM itself
+            # still runs its engine core in a process of its own (the switch only reaches the executor choice).
+            args["distributed_executor_backend"] = "uni"
     if config.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = config.gpu_memory_utilization
     else:
         # On CPU this is the KV cache reservation; vLLM's default utilization (0.92) fails on small boxes.
         args["kv_cache_memory_bytes"] = int((config.kv_cache_gib or DEFAULT_KV_CACHE_GIB) * (1 << 30))
     return args
+
+
+def _parallel(engine_args: dict[str, Any]) -> bool:
+    """Whether the engine arguments ask for more than one worker (which needs worker processes)."""
+    return any(int(engine_args.get(name) or 1) > 1 for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
 
 
 def _thread_environment(config: LLMStageConfig) -> dict[str, str]:

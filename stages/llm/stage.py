@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -34,7 +35,9 @@ class LLMStage:
         return await self.requests.chat(messages, params)
 
     async def describe(self) -> StageDescription:
-        return self.engine.describe().model_copy(update={"replica": replica_id()})
+        described = self.engine.describe()
+        details = {**described.details, "rewrites": asdict(self.requests.stats)}
+        return described.model_copy(update={"replica": replica_id(), "details": details})
 
     def check_health(self) -> None:
         """Serve calls this every `health_check_period_s`: a dead engine core fails it, and Serve replaces the replica."""

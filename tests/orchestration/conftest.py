@@ -23,7 +23,9 @@ MAIN = {
         "batch_wait_timeout_s": 1.0,  # generous: concurrent requests must meet in one batch on a loaded box
         "defaults": {"num_inference_steps": STEPS},
     },
-    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+    # No rewrite cache: a repeated request must reach the LLM stage again, so that these tests keep proving the
+    # stage's own invariance (the cache is tested in test_rewrite_cache.py).
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "rewrite_cache_entries": 0},
 }
 OFF = {
     "llm": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3},

@@ -28,7 +28,9 @@ APP = {
             **HEALTH_CHECK},
     "diffusion": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.3}, "defaults": {"num_inference_steps": 2},
                   **HEALTH_CHECK},
-    "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "request_timeout_s": 120},
+    # No rewrite cache: the second pass repeats the reference's requests, and a cached rewrite never reaches the
+    # LLM stage, so the fault would meet fewer calls in flight than the load sends.
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "request_timeout_s": 120, "rewrite_cache_entries": 0},
 }
 
 

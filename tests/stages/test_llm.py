@@ -129,13 +129,26 @@ def test_llm_switch_on_cpu_sets_plugin_environment_and_invariant_engine_args():
 
 def test_llm_switch_off_leaves_the_plugin_off_and_vllm_defaults_alone():
     off = settings(False)
-    assert off.environment == {vllm_cpu.SWITCH_ENV: "0"}
+    # The one other variable keeps the worker in the engine-core process, switch on or off (stages.llm.settings).
+    assert off.environment == {vllm_cpu.SWITCH_ENV: "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert "enable_prefix_caching" not in off.args
 
 
 def test_llm_cpu_never_chunks_prefill_because_vllm_cpu_crashes_on_seeded_chunks():
     assert settings(False).args["enable_chunked_prefill"] is False
     assert settings(True).args["enable_chunked_prefill"] is False
+
+
+def test_llm_cpu_runs_one_worker_inside_the_engine_core_unless_parallelism_asks_for_more():
+    # No worker process busy-waiting beside the engine core on a small CPU box (stages.llm.settings).
+    assert settings(True).args["distributed_executor_backend"] == "uni"
+    assert settings(False).args["distributed_executor_backend"] == "uni"
+    assert "distributed_executor_backend" not in settings(True, tensor_parallel_size=2).args
+    assert "distributed_executor_backend" not in settings(True, device="cuda").args
+    assert settings(True, distributed_executor_backend="mp").args["distributed_executor_backend"] == "mp"
+    # vLLM's CPU platform keeps "uni" only with V1 multiprocessing off (the engine core keeps its own process).
+    assert settings(True).environment["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in settings(True, distributed_executor_backend="mp").environment
 
 
 def test_llm_switch_on_cuda_uses_vllms_own_mode():
