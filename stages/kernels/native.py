@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("blocked.cpp")
 #: Every op blocked.cpp can replace, and the subset vLLM's CUDA mode leaves out.
-CPU_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "group_norm")
+CPU_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "group_norm", "upsample_nearest2d")
 CUDA_COVER_OPS = ("convolution", "group_norm")
 
 

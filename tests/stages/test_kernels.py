@@ -22,7 +22,8 @@ from stages.kernels import (
 from stages.kernels.native import packed_gemm_available
 
 DTYPES = [torch.float32, torch.bfloat16]
-REPLACEABLE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::group_norm")
+REPLACEABLE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::group_norm",
+                   "aten::upsample_nearest2d")
 
 
 @pytest.fixture(autouse=True)
@@ -457,7 +458,7 @@ def _rows_vary(k: int, n: int, dtype, threads: tuple[int, int]) -> bool:
     return False
 
 
-GEMM_SHAPES = [(1, 1), (3, 47), (257, 49), (1024, 130), (512, 1408)]
+GEMM_SHAPES = [(1, 1), (40, 32), (3, 47), (257, 49), (1024, 130), (512, 1408)]  # panels of 16, 32 and 48 columns
 
 
 @needs_packed_gemm
@@ -537,3 +538,22 @@ def test_kernels_packed_weights_are_reused_repacked_when_changed_and_bounded():
         finally:
             native.packed_weights(2 << 30)
     assert native.packed_weights()["entries"] == 0  # disabling the kernels drops every packed copy
+
+
+# --- nearest upsampling: moved values, the stock result exactly ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["channels-first", "channels-last"])
+def test_kernels_nearest_upsampling_gives_the_stock_tensor_for_every_size_and_layout(dtype, channels_last):
+    gen = torch.Generator().manual_seed(8)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    for shape in [(8, 64, 16, 16), (1, 3, 5, 7), (2, 1, 4, 4), (3, 2, 1, 1)]:
+        x = (torch.randn(shape, generator=gen) * 100).to(dtype).contiguous(memory_format=fmt)
+        for how in ({"scale_factor": 2.0}, {"size": (shape[2] * 2, shape[3] * 2)}, {"scale_factor": 3.0},
+                    {"size": (shape[2] * 2 + 1, shape[3] * 2)}, {"scale_factor": (2.0, 1.0)}):
+            disable_batch_invariant_kernels()
+            stock = F.interpolate(x, mode="nearest", **how)
+            with batch_invariant_kernels():
+                ours = F.interpolate(x, mode="nearest", **how)
+            assert torch.equal(ours, stock) and ours.stride() == stock.stride(), (shape, how)
