@@ -371,8 +371,11 @@ void packed_panels(const PackedProblem& p, int64_t r0, int64_t r1, int64_t begin
   constexpr int64_t kBlockRows = 256, kPartialBytes = int64_t{1} << 19, kPanel = 16 * V;
   const int64_t chunk = std::max<int64_t>(1, kDepthChunk / Packing<T>::kPerStep);
   const int64_t block = std::min<int64_t>(kBlockRows, (r1 - r0 + kTileRows - 1) / kTileRows * kTileRows);
-  const int64_t group = std::max<int64_t>(1, kPartialBytes / (block * kPanel * static_cast<int64_t>(sizeof(float))));
-  std::vector<float> partial(static_cast<size_t>(block * group * kPanel));
+  const int64_t group = std::clamp<int64_t>(kPartialBytes / (block * kPanel * static_cast<int64_t>(sizeof(float))), 1,
+                                            std::max<int64_t>(end - begin, 1));
+  // Never read before written (the first chunk starts from zero), so not cleared: clearing it cost more
+  // than a small product itself (measured: 90 us instead of 40 for 666x128 @ 128x32).
+  std::unique_ptr<float[]> partial(new float[static_cast<size_t>(block * group * kPanel)]);
   for (int64_t g0 = begin; g0 < end; g0 += group) {
     const int64_t g1 = std::min(end, g0 + group);
     for (int64_t i0 = r0; i0 < r1; i0 += block) {
@@ -382,24 +385,30 @@ void packed_panels(const PackedProblem& p, int64_t r0, int64_t r1, int64_t begin
           for (int64_t i = i0; i < i1; i += kTileRows)
             packed_tile_rows<T, V>(p, i, static_cast<int>(std::min<int64_t>(kTileRows, i1 - i)), panel, s0,
                                    std::min(p.steps, s0 + chunk),
-                                   partial.data() + ((panel - g0) * block + (i - i0)) * kPanel);
+                                   partial.get() + ((panel - g0) * block + (i - i0)) * kPanel);
     }
   }
 }
 
 // Threads split the columns (panels) or, where there are fewer panels than threads, the rows; never
 // k. Either way every element is computed alike whichever thread computes it.
+//
+// A thread takes at least kThreadMacs multiply-adds (about 20 us here): waking a second thread for less
+// costs more than it saves, and on a busy box (another process on the other core) a barrier can wait
+// for a whole time slice (measured: a 32x32x128 product at 0.5 ms instead of a few us).
+constexpr int64_t kThreadMacs = int64_t{1} << 21;
+
 template <typename T, int V>
 void packed_parallel(const PackedProblem& p, int64_t m, int64_t panels) {
   const int64_t work = std::max<int64_t>(m * p.depth * 16 * V, 1);  // multiply-adds per panel
   const int threads = at::get_num_threads();
   if (panels >= threads || m < 2 * kTileRows) {
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);  // enough to pay for waking a thread
+    const int64_t grain = std::max<int64_t>(1, kThreadMacs / work);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) { packed_panels<T, V>(p, 0, m, begin, end); });
     return;
   }
   const int64_t tiles = (m + kTileRows - 1) / kTileRows;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(work * panels / tiles, 1));
+  const int64_t grain = std::max<int64_t>(1, kThreadMacs / std::max<int64_t>(work * panels / tiles, 1));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     packed_panels<T, V>(p, begin * kTileRows, std::min(m, end * kTileRows), 0, panels);
   });
