@@ -367,6 +367,27 @@ def test_kernels_group_norm_and_conv_give_the_same_bits_in_either_layout(dtype):
         assert all(torch.equal(a, b) for a, b in _layout_pairs(dtype))
 
 
+#: (batch, channels, height, width, groups): channels not a multiple of 16, positions not a multiple of 16, one position.
+GROUP_NORM_SHAPES = [(3, 24, 5, 7, 6), (2, 40, 9, 9, 8), (1, 320, 8, 8, 32), (4, 16, 1, 1, 4), (2, 64, 17, 3, 32)]
+
+
+@pytest.mark.parametrize("shape", GROUP_NORM_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"])
+def test_kernels_group_norm_same_bits_in_either_layout_and_close_to_float64(shape, dtype, tol):
+    # Our group_norm reads channels-first rows 16 positions at a time and channels-last rows 16 channels at a
+    # time; the lanes' order is defined on logical indices, so both must give the same bits, for every shape.
+    n, c, h, w, groups = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(n, c, h, w, generator=gen) * 3 + 1.5).to(dtype)
+    weight, bias = torch.randn(c, generator=gen).to(dtype), torch.randn(c, generator=gen).to(dtype)
+    with batch_invariant_kernels():
+        first = F.group_norm(x.contiguous(), groups, weight, bias)
+        last = F.group_norm(x.contiguous(memory_format=torch.channels_last), groups, weight, bias)
+    assert torch.equal(first, last.contiguous())
+    want = F.group_norm(x.double(), groups, weight.double(), bias.double())
+    assert (first.double() - want).abs().max().item() <= tol * max(want.abs().max().item(), 1.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernels_off_control_group_norm_or_conv_round_differently_by_layout(dtype):
     varied = any(not torch.equal(a, b) for a, b in _layout_pairs(dtype))
