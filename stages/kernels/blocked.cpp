@@ -682,7 +682,7 @@ Tensor blocked_convolution(const Tensor& input, const Tensor& weight, const std:
 // the centred squares (a second pass: exact enough without Welford). Channels-first rows are
 // read 16 positions at a time, channels-last rows 16 channels at a time; each lane sees the
 // same values in the same order, so both layouts give the same bits (pinned in the tests).
-// The output is x * scale + shift per channel (one fma), in the caller's layout.
+// The output is x * scale + shift per channel, in the caller's layout.
 constexpr int kLanes = 16;
 
 // Lanes l and l + half, half = 8, 4, 2, 1: the one order both layouts use.
@@ -692,45 +692,64 @@ float lanes_sum(float* lanes) {
   return lanes[0];
 }
 
-// Per channel: sum over positions of x (centre == nullptr) or of (x - centre[c])^2.
-template <typename T>
+// One lane's step: x added, or (x - centre)^2 added. Compiled with -ffp-contract=off (native.py), so
+// a multiply and an add stay two roundings in every loop, vectorized or not.
+template <bool Centred>
+inline float accumulate(float lane, float x, float centre) {
+  if constexpr (Centred) {
+    const float d = x - centre;
+    return lane + d * d;
+  } else {
+    return lane + x;
+  }
+}
+
+// Per channel: sum over positions of x, or of (x - centre[c])^2. Full blocks of 16 have
+// compile-time trip counts (so they vectorize); the last, partial one the same steps, fewer lanes.
+template <typename T, bool Centred>
 void channel_sums_first(const T* x, int64_t n, int64_t channels, int64_t positions, const float* centre, float* sums) {
   at::parallel_for(0, n * channels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* v = x + row * positions;
-      const float m = centre ? centre[row] : 0.f;
+      const float m = Centred ? centre[row] : 0.f;
       float lanes[kLanes] = {};
-      for (int64_t p = 0; p < positions; p += kLanes) {
-        const int width = static_cast<int>(std::min<int64_t>(kLanes, positions - p));
-        for (int l = 0; l < width; ++l) {
-          const float d = static_cast<float>(v[p + l]) - m;
-          lanes[l] = centre ? std::fma(d, d, lanes[l]) : lanes[l] + d;
-        }
-      }
+      int64_t p = 0;
+      for (; p + kLanes <= positions; p += kLanes)
+        for (int l = 0; l < kLanes; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), m);
+      for (int l = 0; p + l < positions; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), m);
       sums[row] = lanes_sum(lanes);
     }
   });
 }
 
-template <typename T>
+// A block of Width channels (0: `width`, at run time) of one sample, every position.
+template <typename T, bool Centred, int Width>
+void block_sums_last(const T* __restrict v, int64_t channels, int64_t positions, const float* __restrict m, int width,
+                     float (*__restrict lanes)[kLanes]) {
+  const int w = Width ? Width : width;
+  for (int64_t p = 0; p < positions; p += kLanes) {
+    const int rows = static_cast<int>(std::min<int64_t>(kLanes, positions - p));
+    for (int l = 0; l < rows; ++l) {
+      const T* __restrict at_p = v + (p + l) * channels;
+      float* __restrict lane = lanes[l];
+      for (int j = 0; j < w; ++j) lane[j] = accumulate<Centred>(lane[j], static_cast<float>(at_p[j]), m[j]);
+    }
+  }
+}
+
+template <typename T, bool Centred>
 void channel_sums_last(const T* x, int64_t n, int64_t channels, int64_t positions, const float* centre, float* sums) {
   const int64_t blocks = (channels + kLanes - 1) / kLanes;
   at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t sample = task / blocks, c0 = task % blocks * kLanes;
       const int width = static_cast<int>(std::min<int64_t>(kLanes, channels - c0));
-      const T* v = x + sample * positions * channels + c0;
       float m[kLanes] = {};
-      if (centre) std::copy(centre + sample * channels + c0, centre + sample * channels + c0 + width, m);
+      if (Centred) std::copy(centre + sample * channels + c0, centre + sample * channels + c0 + width, m);
       float lanes[kLanes][kLanes] = {};  // [position lane][channel]
-      for (int64_t p = 0; p < positions; ++p) {
-        float* lane = lanes[p % kLanes];
-        const T* at_p = v + p * channels;
-        for (int j = 0; j < width; ++j) {
-          const float d = static_cast<float>(at_p[j]) - m[j];
-          lane[j] = centre ? std::fma(d, d, lane[j]) : lane[j] + d;
-        }
-      }
+      const T* v = x + sample * positions * channels + c0;
+      if (width == kLanes) block_sums_last<T, Centred, kLanes>(v, channels, positions, m, width, lanes);
+      else block_sums_last<T, Centred, 0>(v, channels, positions, m, width, lanes);
       for (int j = 0; j < width; ++j) {
         float column[kLanes];
         for (int l = 0; l < kLanes; ++l) column[l] = lanes[l][j];
@@ -763,10 +782,10 @@ void normalize(const T* x, T* out, int64_t n, int64_t channels, int64_t position
       T* o = out + row * length;
       if (last) {
         const int64_t base = row / positions * channels;
-        for (int64_t c = 0; c < channels; ++c) o[c] = static_cast<T>(std::fma(static_cast<float>(v[c]), scale[base + c], shift[base + c]));
+        for (int64_t c = 0; c < channels; ++c) o[c] = static_cast<T>(static_cast<float>(v[c]) * scale[base + c] + shift[base + c]);
       } else {
         const float a = scale[row], b = shift[row];
-        for (int64_t p = 0; p < positions; ++p) o[p] = static_cast<T>(std::fma(static_cast<float>(v[p]), a, b));
+        for (int64_t p = 0; p < positions; ++p) o[p] = static_cast<T>(static_cast<float>(v[p]) * a + b);
       }
     }
   });
@@ -779,7 +798,8 @@ Tensor group_norm_fixed(const Tensor& x, bool last, int64_t groups, const std::o
   const T* v = x.const_data_ptr<T>();
   auto sums = [&](const float* centre) {
     std::vector<float> out(n * channels);
-    (last ? channel_sums_last<T> : channel_sums_first<T>)(v, n, channels, positions, centre, out.data());
+    if (centre) (last ? channel_sums_last<T, true> : channel_sums_first<T, true>)(v, n, channels, positions, centre, out.data());
+    else (last ? channel_sums_last<T, false> : channel_sums_first<T, false>)(v, n, channels, positions, centre, out.data());
     return out;
   };
   auto per_channel = [&](const std::vector<double>& per_group) {

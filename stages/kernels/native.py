@@ -69,7 +69,9 @@ def _command(source: Path, output: Path) -> list[str]:
     root = Path(torch.__file__).parent
     includes, torch_lib = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include"), root / "lib"
     return [
-        envs.read("CXX"), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+        # -ffp-contract=off: a multiply and an add are never fused behind our back, so a loop gives the same
+        # bits vectorized or not (group_norm relies on it; the GEMM's fmas are explicit intrinsics).
+        envs.read("CXX"), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w",
         *(_PACKED_GEMM_COMPILER_FLAGS if packed_gemm_available() else []),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
