@@ -1,11 +1,13 @@
 """Embedded tiny models: real architectures built locally from a fixed seed; the one registry of their ids.
 
 No model weights can be downloaded on the machines this project targets, so every test and the embedded
-default build small real-architecture models on first use, cache them under `contracts.envs.cache_root()`,
-and reuse them. Building is deterministic: the same seed and library versions give the same weights.
+defaults build small real-architecture models on first use, cache them under `contracts.envs.cache_root()`,
+and reuse them. Building is deterministic: the same seed and library versions give the same weights. The one
+exception is the diffusion default: trained by the project (`stages.embedded.shapes_training`), committed.
 
     EMBEDDED_MODELS   id -> (stage, recipe): every embedded model, by the id a config or request names
-    DEFAULT_MODELS    the stage defaults (a config's `model: null`)
+    DEFAULT_MODELS    the stage defaults (a config's `model: null`); the diffusion default is trained, not random
+                      (`stages.embedded.shapes`: it draws the shapes it was trained on, committed weights)
     build_cached      the one cache builder: build aside, marker last, one atomic rename
 """
 
@@ -33,14 +35,17 @@ __all__ = ["DEFAULT_MODELS", "EMBEDDED_MODELS", "EmbeddedModel", "MARKER", "buil
 class EmbeddedModel:
     id: str
     stage: Literal["llm", "diffusion"]
-    recipe: str  # diffusion: "unet" | "dit"; LLM: a TinyLlamaSpec name
+    recipe: str  # diffusion: "unet" | "dit" | "shapes"; LLM: a TinyLlamaSpec name
     default: bool = False  # the stage's model when its config says `model: null`
+    # Trained weights (committed, `stages.embedded.shapes_training`) rather than random ones built from a seed.
+    trained: bool = False
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     m.id: m
     for m in (
-        EmbeddedModel("omniserve/tiny-sd-unet", "diffusion", "unet", default=True),
+        EmbeddedModel("omniserve/tiny-shapes-sd", "diffusion", "shapes", default=True, trained=True),
+        EmbeddedModel("omniserve/tiny-sd-unet", "diffusion", "unet"),
         EmbeddedModel("omniserve/tiny-sd3-dit", "diffusion", "dit"),
         EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama", default=True),
         EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),
@@ -50,8 +55,12 @@ DEFAULT_MODELS = {m.stage: m.id for m in EMBEDDED_MODELS.values() if m.default}
 
 
 def embedded_models(stage: str) -> tuple[str, ...]:
-    """Every embedded model id of `stage`, the default first."""
-    ids = [m.id for m in EMBEDDED_MODELS.values() if m.stage == stage]
+    """Every random-weight embedded model id of `stage` (the audits' and benchmarks' models), the default first.
+
+    Random weights are the wider test of the kernels: every value path is exercised, none learned away. The
+    trained default (diffusion) is left out; it is named by DEFAULT_MODELS.
+    """
+    ids = [m.id for m in EMBEDDED_MODELS.values() if m.stage == stage and not m.trained]
     return tuple(sorted(ids, key=lambda i: i != DEFAULT_MODELS[stage]))
 
 

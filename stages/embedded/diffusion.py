@@ -8,6 +8,9 @@ Shapes follow diffusers' own fast-test dummy components, except that both VAEs h
 downsample 8x like the real ones: a 256x256 image stays cheap (32x32 latents), and any height/width that
 is a multiple of 16 (VAE 8x times SD3's patch 2) works for both kinds.
 
+The trained default (recipe "shapes", `stages.embedded.shapes_training`) is not built here: its directory is
+committed (TRAINED_PATH) and `load_tiny_pipeline` loads it the same way.
+
 Their model ids come from the registry (`stages.embedded.EMBEDDED_MODELS`, recipe = kind).
 `tiny_pipeline_path(kind)` builds a pipeline once from a fixed seed, saves it under `cache_root()` through
 `stages.embedded.build_cached` (its marker records the seed, versions and a weights fingerprint) and returns
@@ -38,9 +41,12 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from stages.embedded import EMBEDDED_MODELS, build_cached, cache_root
 
-#: Recipe ("unet" | "dit") -> model id, from the registry.
-MODEL_IDS = {m.recipe: m.id for m in EMBEDDED_MODELS.values() if m.stage == "diffusion"}
+#: Recipe ("unet" | "dit") -> model id of the random-weight pipelines built here, from the registry.
+MODEL_IDS = {m.recipe: m.id for m in EMBEDDED_MODELS.values() if m.stage == "diffusion" and not m.trained}
 KINDS = tuple(MODEL_IDS)
+#: The trained default's recipe: not built here but committed, made by `scripts/train_shapes.py`.
+TRAINED_KIND = "shapes"
+TRAINED_PATH = Path(__file__).resolve().parent / "tiny-shapes-sd"
 
 SEED = 0
 # Bump when a recipe below changes: the cache directory name carries it, so old builds are never reused.
@@ -51,7 +57,7 @@ MAX_PROMPT_TOKENS = 77
 # Seeding uses the process-wide RNG: one build at a time per process, whatever the threads.
 _BUILD_LOCK = threading.Lock()
 # from_pretrained rejects SD3's saved [null, null] T5 entries unless the absence is stated again at load.
-_ABSENT_COMPONENTS = {"unet": {}, "dit": {"text_encoder_3": None, "tokenizer_3": None}}
+_ABSENT_COMPONENTS = {"unet": {}, "dit": {"text_encoder_3": None, "tokenizer_3": None}, TRAINED_KIND: {}}
 
 
 def tiny_pipeline_path(kind: str) -> Path:
@@ -61,8 +67,8 @@ def tiny_pipeline_path(kind: str) -> Path:
 
 
 def load_tiny_pipeline(kind: str, dtype: torch.dtype = torch.float32) -> DiffusionPipeline:
-    """The `kind` pipeline, loaded from its cache directory only (never the network)."""
-    path = tiny_pipeline_path(kind)
+    """The `kind` pipeline, loaded from its cache directory (the trained one: from the source tree), never the network."""
+    path = TRAINED_PATH if kind == TRAINED_KIND else tiny_pipeline_path(kind)
     pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **_ABSENT_COMPONENTS[kind])
     # Without `accelerate`, diffusers 0.42 keeps SD3's fp32 checkpoint tensors: its dtype check reads an fp32 buffer.
     pipe.to(dtype=dtype)

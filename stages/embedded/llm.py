@@ -8,8 +8,8 @@ through `stages.embedded.build_cached` (atomic: concurrent first uses never see 
 registry (`stages.embedded.EMBEDDED_MODELS`) names them `embedded:<spec name>`.
 
 Random weights write no sensible free text, so the stage enhances a prompt with an embedded model
-through `StyleEnhancement`: a grammar picks "<style>, <lighting>[, <mood>]" from the vocabulary
-below, and the user's subject leads the revised prompt.
+through `StyleEnhancement`: a grammar picks "<size>, <position>" from the embedded
+image model's vocabulary (`stages.embedded.shapes`), and the user's subject leads the revised prompt.
 """
 
 from __future__ import annotations
@@ -23,13 +23,28 @@ from typing import Any
 
 from contracts.sampling import LLMSamplingParams
 
-from . import build_cached, cache_root
+from . import build_cached, cache_root, shapes
 
 #: Bump when the build procedure changes, so old cached builds are not reused.
 BUILD_VERSION = 2
 
-# Style vocabulary: the embedded default's structured output picks from these (see `STYLE_GRAMMAR`).
-STYLES = (
+# The rewrite's vocabulary is the embedded image model's own (`stages.embedded.shapes`): a size and a position
+# it was trained to draw, so a rewrite visibly changes the picture. Short on purpose: "large, left" is 7 tokens of
+# this tokenizer (9 at most, every token a decode step). A background phrase would double that with this
+# tokenizer, and a tokenizer that knew those words would be a new model (new weights, new audit records).
+SIZES = shapes.SIZES
+POSITIONS = shapes.POSITIONS
+
+# A GBNF/EBNF grammar (xgrammar, through vLLM's structured output): "<size>, <position>".
+STYLE_GRAMMAR = (
+    'root ::= size ", " position\n'
+    "size ::= " + " | ".join(json.dumps(s) for s in SIZES) + "\n"
+    "position ::= " + " | ".join(json.dumps(s) for s in POSITIONS) + "\n"
+)
+
+# The tokenizer's corpus: the style words of the first rewrite vocabulary. Kept as they were: a new corpus is a
+# new tokenizer and new weights, and audit records (docs/evidence) name the model by its weights hash.
+_STYLES = (
     "watercolor",
     "oil painting",
     "pencil sketch",
@@ -39,7 +54,7 @@ STYLES = (
     "pastel drawing",
     "low poly render",
 )
-LIGHTING = (
+_LIGHTING = (
     "soft morning light",
     "golden hour",
     "overcast daylight",
@@ -49,15 +64,7 @@ LIGHTING = (
     "studio lighting",
     "dramatic shadows",
 )
-MOODS = ("calm", "dreamy", "vivid", "moody", "serene", "whimsical")
-
-# A GBNF/EBNF grammar (xgrammar, through vLLM's structured output): "<style>, <lighting>[, <mood>]".
-STYLE_GRAMMAR = (
-    'root ::= style ", " lighting mood?\n'
-    "style ::= " + " | ".join(json.dumps(s) for s in STYLES) + "\n"
-    "lighting ::= " + " | ".join(json.dumps(s) for s in LIGHTING) + "\n"
-    'mood ::= ", " (' + " | ".join(json.dumps(s) for s in MOODS) + ")\n"
-)
+_MOODS = ("calm", "dreamy", "vivid", "moody", "serene", "whimsical")
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -151,9 +158,9 @@ def weights_fingerprint(directory: Path) -> str:
 def _corpus() -> list[str]:
     lines = [" ".join(_WORDS.split()[i : i + 9]) for i in range(0, len(_WORDS.split()), 9)]
     for subject in _SUBJECTS:
-        for i, style in enumerate(STYLES):
-            light = LIGHTING[(i + len(subject)) % len(LIGHTING)]
-            mood = MOODS[(i + len(subject)) % len(MOODS)]
+        for i, style in enumerate(_STYLES):
+            light = _LIGHTING[(i + len(subject)) % len(_LIGHTING)]
+            mood = _MOODS[(i + len(subject)) % len(_MOODS)]
             lines.append(f"{subject}, {style}, {light}, {mood}")
     return lines
 
@@ -226,8 +233,7 @@ _GRAMMAR_SLACK = 2
 
 def style_completions() -> list[str]:
     """Every string STYLE_GRAMMAR accepts."""
-    tails = ("", *(f", {mood}" for mood in MOODS))
-    return [f"{s}, {l}{t}" for s, l, t in product(STYLES, LIGHTING, tails)]
+    return [f"{s}, {p}" for s, p in product(SIZES, POSITIONS)]
 
 
 def longest_style_completion() -> int:
@@ -288,7 +294,8 @@ def _longest(prefix: str, texts: tuple[str, ...], prefixes: set[str], ends: set[
 
 
 class StyleEnhancement:
-    """How the LLM stage enhances a prompt with an embedded model: a style picked by STYLE_GRAMMAR.
+    """How the LLM stage enhances a prompt with an embedded model: a size and a position word of the embedded
+    image model, picked by STYLE_GRAMMAR; a size or position the user's prompt already says is kept, not overridden.
 
     With the model's tokenizer, the sampler is also held to `style_tokens` (word-sized tokens, see there).
     """
@@ -296,7 +303,7 @@ class StyleEnhancement:
     structured_output = True
     # Random weights read no instruction (the grammar decides the form), so the instruction is only a cost: the
     # stage's default one is 62 tokens of this corpus-trained tokenizer, and prefill was ~40% of a rewrite's time.
-    system_prompt = "rewrite: add style, light"
+    system_prompt = "rewrite: add style, light"  # 9 tokens; any words would do
 
     def __init__(self, tokenizer=None):
         self.tokens = style_tokens(tokenizer) if tokenizer is not None else None
@@ -316,5 +323,8 @@ class StyleEnhancement:
         return params, extra
 
     def compose(self, prompt: str, completion: str) -> str:
-        # The grammar yields "<style>, <lighting>[, <mood>]"; the user's subject leads.
-        return f"{prompt.strip().rstrip(',.;')}, {completion}"
+        """The user's subject first, then the completion's words for what the prompt leaves unsaid."""
+        subject = prompt.strip().rstrip(",.;")
+        said = set(subject.lower().replace(",", " ").split())
+        kept = [word for word in completion.split(", ") if word and not said & set(SIZES if word in SIZES else POSITIONS)]
+        return ", ".join([subject, *kept])

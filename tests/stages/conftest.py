@@ -4,17 +4,19 @@ import pytest
 
 from contracts.config import DiffusionStageConfig
 from stages.diffusion import DiffusionRenderer
-from stages.embedded import embedded_models
+from stages.embedded import DEFAULT_MODELS, embedded_models
 from stages.engine import StepEngine
 from stages.kernels import disable_batch_invariant_kernels
 
 UNET, DIT = embedded_models("diffusion")
+TRAINED = DEFAULT_MODELS["diffusion"]
 
 
-@pytest.fixture(scope="module", params=[(UNET, True), (DIT, True), (UNET, False), (DIT, False)],
-                ids=["unet-on", "dit-on", "unet-control", "dit-control"])
+@pytest.fixture(scope="module", params=[(UNET, True), (DIT, True), (TRAINED, True), (UNET, False), (DIT, False)],
+                ids=["unet-on", "dit-on", "trained-on", "unet-control", "dit-control"])
 def engine(request):
-    """A step engine on each tiny pipeline, kernels on and off (the control); `engine.invariant` says which."""
+    """A step engine on each tiny pipeline (random weights, and the trained default), kernels on and off (the
+    control); `engine.invariant` says which."""
     model, invariant = request.param
     disable_batch_invariant_kernels()
     renderer = DiffusionRenderer(DiffusionStageConfig(model=model, batch_invariant=invariant, torch_threads=1))

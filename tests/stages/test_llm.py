@@ -87,14 +87,15 @@ def test_llm_style_grammar_accepts_style_phrases_only():
     from xgrammar import Grammar
 
     grammar = Grammar.from_ebnf(embedded.STYLE_GRAMMAR)
-    assert _is_grammar_accept_string(grammar, "watercolor, soft morning light")
-    assert _is_grammar_accept_string(grammar, "ink wash, moonlight, dreamy")
-    assert not _is_grammar_accept_string(grammar, "watercolor")
+    assert _is_grammar_accept_string(grammar, "small, left")
+    assert _is_grammar_accept_string(grammar, "large, centered")
+    assert not _is_grammar_accept_string(grammar, "small")
+    assert not _is_grammar_accept_string(grammar, "large, left, on a blue background")
     assert not _is_grammar_accept_string(grammar, "free text of any kind")
 
 
 def test_llm_embedded_enhancement_leaves_the_grammar_room_to_finish_and_keeps_the_seed():
-    phrases = (f"{s}, {l}, {m}" for s in embedded.STYLES for l in embedded.LIGHTING for m in embedded.MOODS)
+    phrases = (f"{s}, {p}" for s in embedded.SIZES for p in embedded.POSITIONS)
     longest = max(phrases, key=lambda phrase: len(phrase.encode()))
     # One byte per token at worst, plus the end of sequence.
     assert embedded.GRAMMAR_MAX_TOKENS > len(longest.encode())
@@ -109,7 +110,11 @@ def test_llm_embedded_enhancement_leaves_the_grammar_room_to_finish_and_keeps_th
 
 def test_llm_embedded_enhancement_puts_the_users_subject_first():
     compose = embedded.StyleEnhancement().compose
-    assert compose("  a red fox in the snow. ", "watercolor, moonlight") == "a red fox in the snow, watercolor, moonlight"
+    assert compose("  a red fox in the snow. ", "small, left") == "a red fox in the snow, small, left"
+    # What the user said stays said: the rewrite fills only the slots the prompt leaves open.
+    assert compose("a red circle on a blue background", "small, left") == "a red circle on a blue background, small, left"
+    assert compose("a large red circle", "small, top") == "a large red circle, top"
+    assert compose("a large red circle, bottom", "small, top") == "a large red circle, bottom"
     # A real model's rewrite replaces the prompt; an empty one keeps it.
     assert FreeRewrite().compose(" a fox ", "a fox at dawn, oil painting") == "a fox at dawn, oil painting"
     assert FreeRewrite().compose(" a fox ", "") == "a fox"

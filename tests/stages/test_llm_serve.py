@@ -11,14 +11,14 @@ from contracts import SeedContractError
 from contracts.config import LLMStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.results import Completion, RevisedPrompt, StageDescription
-from stages.embedded.llm import LIGHTING, MOODS, STYLES, ensure_tiny_llama
+from stages.embedded.llm import POSITIONS, SIZES, ensure_tiny_llama
 from stages.llm import LLMStage
 
 pytestmark = pytest.mark.slow
 
 TARGET = ("a cat sitting on a garden wall", {"seed": 42, "temperature": 1.0, "top_p": 0.95, "logprobs": 3})
 WELL_FORMED = re.compile(
-    rf"^(?P<subject>.+), (?:{'|'.join(STYLES)}), (?:{'|'.join(LIGHTING)})(?:, (?:{'|'.join(MOODS)}))?$"
+    rf"^(?P<subject>.+), (?:{'|'.join(SIZES)}), (?:{'|'.join(POSITIONS)})$"
 )
 
 

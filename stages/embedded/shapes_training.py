@@ -1,0 +1,183 @@
+"""Training the embedded default image model on the procedural shapes (`stages.embedded.shapes`).
+
+Three stages, all seeded, on one CPU thread, in about 11 minutes of CPU (683-689 s measured):
+  1. the VAE (AutoencoderKL, 8x downsampling, 4 latent channels) learns to reconstruct every training scene;
+  2. the scenes are encoded once; the latents' spread sets the VAE's `scaling_factor`;
+  3. the UNet (UNet2DConditionModel on 8x8 latents) and the CLIP text encoder learn together to predict the
+     noise of Stable Diffusion 1.x's own schedule, with one caption in ten dropped to the empty prompt so
+     classifier-free guidance has its unconditional branch.
+The result is a plain StableDiffusionPipeline directory (`save_pretrained`), loaded like any checkpoint.
+`scripts/train_shapes.py` runs it and writes the committed model; the same seed and thread count give the
+same weights, bit for bit (tests/stages/test_shapes_model.py checks a short run).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, DDPMScheduler, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from .shapes import caption, training_scenes, word_tokenizer
+
+#: Stable Diffusion 1.x's noise schedule: training adds noise with it, the saved Euler scheduler removes it.
+SCHEDULE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
+#: One caption in this many trains the unconditional branch (the empty prompt).
+UNCONDITIONAL_EVERY = 10
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """Everything that decides the trained weights (with the library versions and the thread count)."""
+
+    seed: int = 0
+    vae_steps: int = 1200
+    vae_batch: int = 16
+    vae_lr: float = 2e-3
+    kl_weight: float = 1e-6
+    unet_steps: int = 2500
+    unet_batch: int = 64
+    unet_lr: float = 1.5e-3
+    scenes: int | None = None  # train on the first this many scenes only (a quick check), None: all of them
+
+
+def components(tokenizer) -> tuple[AutoencoderKL, CLIPTextModel, UNet2DConditionModel]:
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        # Few, wide norm groups: a group normalised on its own per image loses its absolute level, and with
+        # one channel per group a flat-coloured image would lose its colour.
+        block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=2,
+    )
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=tokenizer.model_max_length, hidden_act="gelu",
+        layer_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ))
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=64,
+        attention_head_dim=2, norm_num_groups=4,  # diffusers' legacy name: 2 heads
+    )
+    return vae, text_encoder, unet
+
+
+def train(plan: TrainingPlan, out: Path, log=print) -> dict[str, Any]:
+    """Train every component after `plan` and save the pipeline into `out`; returns what it measured."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    threads = torch.get_num_threads()
+    # One thread: the same bits on any machine with these library versions (and faster than two contended ones).
+    torch.set_num_threads(1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(plan.seed)
+        tokenizer = word_tokenizer()
+        vae, text_encoder, unet = components(tokenizer)
+        scenes = training_scenes()[: plan.scenes]
+        images = torch.from_numpy(np.stack([s.render() for s in scenes])).permute(0, 3, 1, 2).float() / 127.5 - 1
+        vae_loss = _train_vae(vae, images, plan, log)
+        latents = _encode(vae, images)
+        unet_loss = _train_denoiser(unet, text_encoder, tokenizer, scenes, latents, plan, log)
+    scheduler = EulerDiscreteScheduler(**SCHEDULE, steps_offset=1, timestep_spacing="leading")
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(out)
+    torch.set_num_threads(threads)
+    return {"plan": asdict(plan), "vae_loss": vae_loss, "denoiser_loss": unet_loss, "threads": 1,
+            "wall_s": round(time.perf_counter() - started, 1), "cpu_s": round(time.process_time() - cpu_started, 1)}
+
+
+def _train_vae(vae: AutoencoderKL, images: torch.Tensor, plan: TrainingPlan, log) -> float:
+    optimiser = torch.optim.Adam(vae.parameters(), lr=plan.vae_lr)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, plan.vae_lr, total_steps=plan.vae_steps, pct_start=0.1)
+    vae.train()
+    running = 0.0
+    for step in range(plan.vae_steps):
+        batch = images[torch.randint(len(images), (plan.vae_batch,))]
+        posterior = vae.encode(batch).latent_dist
+        # The mean, not a sample: an autoencoder learns these flat-coloured scenes in a few hundred steps,
+        # where the sampling noise of a fresh encoder would drown its latents.
+        reconstruction = vae.decode(posterior.mean).sample
+        loss = F.mse_loss(reconstruction, batch) + plan.kl_weight * posterior.kl().mean()
+        _update(loss, optimiser, schedule)
+        running = 0.9 * running + 0.1 * loss.item() if step else loss.item()
+        if step % 200 == 0 or step == plan.vae_steps - 1:
+            log(f"vae step {step}: loss {running:.4f}")
+    vae.eval()
+    return round(running, 5)
+
+
+def _update(loss: torch.Tensor, optimiser, schedule, clip: list | None = None) -> None:
+    """One optimiser step on `loss`; with `clip`, those parameters' gradient norm is held to 1 first."""
+    optimiser.zero_grad()
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    optimiser.step()
+    schedule.step()
+
+
+@torch.no_grad()
+def _encode(vae: AutoencoderKL, images: torch.Tensor) -> torch.Tensor:
+    """Every scene's latent mean, scaled to unit spread; the scale is saved in the VAE's config."""
+    latents = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in images.split(256)])
+    scaling = float(1.0 / latents.std())
+    vae.register_to_config(scaling_factor=scaling)
+    return latents * scaling
+
+
+def _train_denoiser(unet, text_encoder, tokenizer, scenes, latents: torch.Tensor, plan: TrainingPlan, log) -> float:
+    noise_schedule = DDPMScheduler(**SCHEDULE)
+    parameters = [*unet.parameters(), *text_encoder.parameters()]
+    optimiser = torch.optim.AdamW(parameters, lr=plan.unet_lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, plan.unet_lr, total_steps=plan.unet_steps, pct_start=0.05)
+    captions = random.Random(plan.seed)
+    unet.train()
+    text_encoder.train()
+    running = 0.0
+    for step in range(plan.unet_steps):
+        picked = torch.randint(len(scenes), (plan.unet_batch,))
+        texts = ["" if captions.randrange(UNCONDITIONAL_EVERY) == 0 else caption(scenes[i], captions) for i in picked.tolist()]
+        ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids
+        noise = torch.randn_like(latents[picked])
+        timesteps = torch.randint(noise_schedule.config.num_train_timesteps, (plan.unet_batch,))
+        noisy = noise_schedule.add_noise(latents[picked], noise, timesteps)
+        prediction = unet(noisy, timesteps, encoder_hidden_states=text_encoder(ids)[0]).sample
+        loss = F.mse_loss(prediction, noise)
+        _update(loss, optimiser, schedule, clip=parameters)
+        running = 0.98 * running + 0.02 * loss.item() if step else loss.item()
+        if step % 250 == 0 or step == plan.unet_steps - 1:
+            log(f"denoiser step {step}: loss {running:.4f}")
+    unet.eval()
+    text_encoder.eval()
+    return round(running, 5)
+
+
+def draw(pipe, prompts: list[str], seeds: list[int], **options: Any) -> np.ndarray:
+    """uint8 (N, 64, 64, 3): prompt i with seed i, at the embedded defaults (8 steps, guidance 5) unless given."""
+    options = {"num_inference_steps": 8, "guidance_scale": 5.0, "height": 64, "width": 64, **options}
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    images = pipe(prompt=prompts, generator=generators, output_type="np", **options).images
+    return (np.clip(images, 0, 1) * 255).round().astype(np.uint8)
+
+
+def hit_rate(pipe, scenes, seeds: list[int], rng: random.Random | None = None, background_only: bool = False) -> float:
+    """The share of (scene, seed) drawings in the scene's colours (`drawn_as_said`), or with its background only."""
+    from .shapes import background_as_said, drawn_as_said
+
+    rng = rng or random.Random(0)
+    pairs = [(scene, seed) for scene in scenes for seed in seeds]
+    images = draw(pipe, [caption(scene, rng) for scene, _ in pairs], [seed for _, seed in pairs])
+    said = [background_as_said(image, scene.background) if background_only else drawn_as_said(image, scene)
+            for image, (scene, _) in zip(images, pairs)]
+    return sum(said) / len(said)
