@@ -9,7 +9,7 @@ EXTRA  ?= cpu
 PIP_OPTS ?=
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: serve test setup
+.PHONY: serve test setup browser
 # The C++ batch-invariant kernels are compiled once into the user cache (a no-op when cached),
 # so no server or test compiles on its first request.
 setup: $(STAMP)
@@ -30,9 +30,24 @@ endif
 	@touch $@
 
 # Both stages batch-invariant unless the caller set their switches (OMNI_*_BATCH_INVARIANT=0 turns one off).
+# `serve run` in a Ray of its own whose Prometheus endpoint is fixed (orchestration/run.py): by default
+# http://127.0.0.1:9464/metrics (contracts/metrics.py); METRICS_PORT=... moves it. Ray's single-machine mode keeps
+# every address it binds on the loopback.
 serve: setup
 	OMNI_LLM_BATCH_INVARIANT=$${OMNI_LLM_BATCH_INVARIANT-1} OMNI_DIFFUSION_BATCH_INVARIANT=$${OMNI_DIFFUSION_BATCH_INVARIANT-1} \
-		$(BIN)/serve run examples.omni_app:app
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=$${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER-0} \
+		$(BIN)/python -m orchestration.run $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) examples.omni_app:app
 
-test: setup
+# The browser the playground test drives (tests/orchestration/test_playground.py): Debian's chromium and its
+# driver, installed through apt-get when missing and we are root; otherwise we say what to install and the test
+# fails with the same words, so the rest of the suite still runs.
+BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing $(BROWSER_PACKAGES) (apt-get)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(BROWSER_PACKAGES) >/dev/null; \
+	else echo "make browser: chromium and chromedriver are missing; install them as root: apt-get install $(BROWSER_PACKAGES)" >&2; fi
+
+test: setup browser
 	$(BIN)/python -m pytest

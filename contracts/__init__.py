@@ -7,6 +7,8 @@
     images      an edit's input image: its bounds, decoding and size rule
     config      one typed config per deployment
     results     what the stages hand back
+    provenance  what a PNG records of how it was made: its text chunks, written and read back
+    scope       the verified scope as data: audit records, and whether a replica's configuration is covered
     http        the HTTP API's request and response schemas
     errors      typed errors, and the one pydantic-error-to-field mapping
     envs        every environment variable the project reads

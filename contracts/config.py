@@ -78,6 +78,9 @@ class StageConfig(DeploymentConfig):
     batch_invariant: StrictBool | None = None
     # Threads per replica (None: torch's default, all cores); several replicas on one box should split them.
     torch_threads: Annotated[int, Field(ge=1)] | None = 1
+    # true: with invariance on, refuse to start outside the verified scope (contracts/scope.py), naming the
+    # differences; false: start and report `verified: false`; null: follow OMNISERVE_STRICT_SCOPE (default off).
+    strict: StrictBool | None = None
 
 
 class LLMStageConfig(StageConfig):

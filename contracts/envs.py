@@ -88,6 +88,9 @@ VARIABLES: dict[str, Variable] = {
                  "the diffusion stage's switch when its config says null; unset: follow VLLM_BATCH_INVARIANT"),
         Variable("VLLM_BATCH_INVARIANT", None, parse_vllm_bool,
                  "vLLM's global switch (an integer, as vLLM reads it); each stage follows it unless its own is set"),
+        Variable("OMNISERVE_STRICT_SCOPE", "0", parse_switch,
+                 "a stage whose config says `strict: null` refuses to start with invariance on outside the verified "
+                 "scope (the audit records, contracts/scope.py) when this is on; default off: it reports unverified"),
         Variable("OMNISERVE_CACHE", None, _path,
                  "where built models and compiled kernels live (default: $XDG_CACHE_HOME/omniserve)"),
         Variable("XDG_CACHE_HOME", None, _path, "the user's cache directory (default: ~/.cache)"),
@@ -96,6 +99,8 @@ VARIABLES: dict[str, Variable] = {
                  "bound on the CPU kernels' packed copies of weights, per process (0: pack on every call)"),
         Variable("OMNISERVE_VLLM_CPU_INVARIANT", "0", _flag,
                  "set by the LLM stage in its engine's processes: 1 turns the vLLM CPU plugin on"),
+        Variable("OMNISERVE_URL", "http://127.0.0.1:8000", _text,
+                 "the server `omniserve generate`, `verify` and `health` talk to (their --url overrides it)"),
         Variable("VLLM_CPU_ATTN_SPLIT_KV", "1", _not_zero,
                  "vLLM's CPU attention may split a decode's KV range by the step's workload (0: never)"),
     )

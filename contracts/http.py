@@ -57,6 +57,8 @@ from .sampling import (
 from .seeds import Seed
 
 MAX_IMAGES = 8
+#: Previews a streamed image may ask for (OpenAI's bound); fewer arrive when an image has too few steps.
+MAX_PARTIAL_IMAGES = 3
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits only (`\d` would take any script's digits)
 
 
@@ -77,13 +79,13 @@ class _Request(BaseModel):
 
     #: OpenAI fields this server cannot honour -> why: refused by name unless null.
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
-    #: What a request asking to stream is told (streaming is not served yet).
+    #: What a request asking to stream is told where streaming is not served ("" where it is).
     WHOLE: ClassVar[str] = "results"
 
     @field_validator("stream", check_fields=False)
     @classmethod
     def _no_stream(cls, value: bool | None) -> bool | None:
-        if value:
+        if value and cls.WHOLE:
             raise PydanticCustomError("unsupported_value", "stream is not supported: {what} are returned whole", {"what": cls.WHOLE})
         return value
 
@@ -98,6 +100,15 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
 
+def _needs(field: str, switch: str, why: str = ""):
+    """A validator: `field` may be set (non-zero) only with `switch` true (an earlier field of the same request)."""
+    def check(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and not info.data.get(switch):
+            raise PydanticCustomError("invalid_value", "{field} needs {switch}=true{why}", {"field": field, "switch": switch, "why": why})
+        return value
+    return field_validator(field)(classmethod(check))
+
+
 def _present(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -107,9 +118,9 @@ class ImageGenerationRequest(_Request):
 
     UNSUPPORTED = {
         name: "this server's images are PNGs rendered by the configured diffusion model"
-        for name in ("quality", "style", "background", "moderation", "output_compression", "partial_images")
+        for name in ("quality", "style", "background", "moderation", "output_compression")
     }
-    WHOLE = "images"
+    WHOLE = ""  # streamed as OpenAI streams images (server-sent events, `orchestration.api`)
 
     prompt: Prompt
     model: Name | None = None
@@ -118,6 +129,7 @@ class ImageGenerationRequest(_Request):
     response_format: Name | None = None
     output_format: Name | None = None
     stream: StrictBool | None = None
+    partial_images: Annotated[int, Field(ge=0, le=MAX_PARTIAL_IMAGES)] | None = None  # with stream=true only
     user: Name | None = None  # OpenAI's end-user tag: accepted, not used
     # Extensions (pass them through the openai client's `extra_body`).
     seed: Seed | None = None
@@ -140,6 +152,8 @@ class ImageGenerationRequest(_Request):
             except ValueError as err:
                 raise PydanticCustomError("invalid_size", str(err)) from None
         return size
+
+    _partials_need_stream = _needs("partial_images", "stream", ": partial images are streamed")
 
     @field_validator("response_format")
     @classmethod
@@ -267,12 +281,7 @@ class ChatCompletionRequest(_Request):
     min_tokens: MinTokens | None = None
     repetition_penalty: RepetitionPenalty | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value and not info.data.get("logprobs"):
-            raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs=true")
-        return value
+    _top_logprobs_need_logprobs = _needs("top_logprobs", "logprobs")
 
     def llm_params(self, seed: int | None) -> LLMSamplingParams:
         """The LLM stage's sampling params; unset fields keep LLMSamplingParams' defaults."""
@@ -295,6 +304,10 @@ class StageInvariance(BaseModel):
     batch_invariant: bool
     kernel_backend: str | None = None
     used: bool = True
+    # An audit record covers what ran (contracts/scope.py): the replica's configuration and, for images, their
+    # size; when not, why (the nearest record's differences). None: not known (the stage was not used).
+    verified: bool | None = None
+    scope_differences: list[str] = []
 
 
 class ImageData(BaseModel):
@@ -316,6 +329,50 @@ class ImagesResponse(BaseModel):
     size: str
     output_format: Literal["png"] = "png"
     invariance: dict[str, StageInvariance]
+
+
+class _ImageEvent(BaseModel):
+    """A server-sent event of a streamed generation or edit (`stream: true`): OpenAI's fields, then extensions."""
+
+    type: str  # "<kind>.partial_image" | "<kind>.completed", kind "image_generation" or "image_edit"
+    b64_json: str
+    created_at: int
+    size: str  # "<width>x<height>"
+    quality: Literal["auto"] = "auto"
+    background: Literal["opaque"] = "opaque"
+    output_format: Literal["png"] = "png"
+    # Extension: which of the request's n images the event is of (OpenAI's events have none: they stream n=1).
+    image_index: int = 0
+
+
+class ImagePartialEvent(_ImageEvent):
+    """A preview: the image's current estimate, decoded (deterministic, not part of the reproducibility promise)."""
+
+    partial_image_index: int
+
+
+class ImageTokensDetails(BaseModel):
+    image_tokens: int = 0
+    text_tokens: int
+
+
+class ImageUsage(BaseModel):
+    """OpenAI's usage of a completed image; here the tokens of the LLM stage's rewrite of its prompt (0 without one)."""
+
+    input_tokens: int
+    input_tokens_details: ImageTokensDetails
+    output_tokens: int
+    total_tokens: int
+
+
+class ImageCompletedEvent(ImageData, _ImageEvent):
+    """The image itself: the bytes, seed and sha256 a non-streamed request returns for it."""
+
+    usage: ImageUsage
+
+
+#: The events' type names per route (OpenAI's).
+STREAM_EVENT_KINDS = {"generation": "image_generation", "edit": "image_edit"}
 
 
 class TokenLogprob(BaseModel):

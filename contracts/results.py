@@ -26,6 +26,10 @@ class Provenance(Result):
     model: str
     batch_invariant: bool
     kernel_backend: str  # "cpu", "vllm-cuda", "none", ...
+    # An audit record covers the configuration (and, for an image, its size) that produced this result
+    # (contracts/scope.py); when not, why: the nearest record's differences, or "batch invariance is off".
+    verified: bool = False
+    scope_differences: list[str] = []
 
 
 class Generation(Result):
@@ -100,3 +104,12 @@ class StageDescription(Provenance):
     kernels_installed: bool
     kernels: Any  # the kernel report(s): one per process that runs the model
     details: dict[str, Any] = {}
+
+
+class PartialImage(Result):
+    """A preview of an image still being denoised (streaming): its current estimate, decoded, as PNG bytes."""
+
+    index: int  # 0-based among the image's partial images
+    png: bytes
+    height: int
+    width: int

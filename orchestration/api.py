@@ -5,17 +5,43 @@ middleware adds the `X-Omni-Batch-Invariant-LLM` / `-Diffusion` headers to every
 Each POST route's body is checked before FastAPI reads it (`BodyCheckedRoute`, rules in `contracts.http.BODY_RULES`):
 its content type (415), its size (413, from Content-Length or while it arrives) and, for JSON, a strict decoding
 (UTF-8, no duplicate keys: 400).
+
+Streaming (`stream: true` on /v1/images/generations and /v1/images/edits, `partial_images` 0..3) answers with
+server-sent events exactly as OpenAI's Images API does, once admission has passed (a bad request is still a JSON
+4xx). Each event is `event: <type>` and `data: <one JSON object>` (`contracts.http`'s event models), then a blank
+line; <kind> is `image_generation` (generations) or `image_edit` (edits):
+
+    event: <kind>.partial_image       up to partial_images per image (fewer if it has too few steps), in order
+    data: {"type": "<kind>.partial_image", "b64_json": "<PNG preview>", "created_at": 1767225600, "size": "64x64",
+           "quality": "auto", "background": "opaque", "output_format": "png", "partial_image_index": 0,
+           "image_index": 0}
+    event: <kind>.completed           one per image: the bytes a non-streamed request returns for it
+    data: {"type": "<kind>.completed", "b64_json": "<PNG>", "created_at": ..., "size": "64x64", "quality": "auto",
+           "background": "opaque", "output_format": "png", "image_index": 0, "revised_prompt": "...", "seed": 7,
+           "sha256": "<hex of the PNG>", "replica": "...", "batch_size": 1, "steps_co_batched": 0,
+           "usage": {"input_tokens": 12, "input_tokens_details": {"image_tokens": 0, "text_tokens": 12},
+                     "output_tokens": 9, "total_tokens": 21}}
+    event: error                      a failure after the stream began (then it ends): the error body below
+    data: {"error": {"message": "...", "type": "...", "param": null, "code": "..."}}
+
+`image_index` and the fields after it in the completed event are extensions (the openai client keeps them as
+extra attributes). OpenAI's events name no image, as OpenAI streams one; here n > 1 streams too, the images
+rendered together and their events interleaved as they come, each telling its `image_index`. `usage` counts the
+LLM stage's rewrite of the prompt (zeros without a rewrite). Partial images are the step engine's current
+estimate of the image, decoded: deterministic, but outside the bit-for-bit promise; a pipeline without the step
+engine sends the completed events only.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import json
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,6 +63,8 @@ from contracts.images import check_image_bytes
 
 from .errors import HTTPError, client_error, http_error
 from .health import HealthResponse
+from .metrics import RequestMetrics
+from .playground import mount as mount_playground
 
 if TYPE_CHECKING:
     from .ingress import Ingress
@@ -53,6 +81,14 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (504, "the request outlasted the server's time limit"),
     )
 }
+
+
+#: The image routes' other success: with `stream: true`, server-sent events (this module's docstring).
+STREAMED: dict[int | str, dict[str, Any]] = {200: {
+    "description": "the images; with `stream: true`, server-sent events: `<kind>.partial_image` events, then one "
+                   "`<kind>.completed` per image (kind `image_generation` or `image_edit`)",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}}
 
 
 def error_response(error: HTTPError) -> JSONResponse:
@@ -129,9 +165,38 @@ async def read_edit(request: Request) -> ImageEditRequest:
     return ImageEditRequest.from_form(fields)
 
 
-async def edit_images(ingress: Ingress, request: Request) -> ImagesResponse:
+async def edit_images(ingress: Ingress, request: Request, timeout_s: float) -> ImagesResponse | StreamingResponse:
     """OpenAI's image edits (image-to-image): the generation path, from the image of a multipart form."""
-    return await ingress.images(await read_edit(request))
+    return await images_or_events(ingress, await read_edit(request), timeout_s)
+
+
+async def images_or_events(ingress: Ingress, request: ImageGenerationRequest, timeout_s: float) -> ImagesResponse | StreamingResponse:
+    """The images whole, or (`stream: true`) as server-sent events, admitted before the first byte is sent."""
+    if not request.stream:
+        return await ingress.images(request)
+    events = await ingress.image_events(request)
+    return StreamingResponse(server_sent(events, timeout_s), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _frame(event: str, data: str) -> str:
+    return f"event: {event}\ndata: {data}\n\n"
+
+
+async def server_sent(events: AsyncIterator[Any], timeout_s: float) -> AsyncIterator[str]:
+    """Each event as one SSE frame, within `timeout_s` in all; a failure becomes a last `error` frame."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    try:
+        while True:
+            try:  # wait_for, not asyncio.timeout: a timeout must not fire while the caller sends a frame
+                event = await asyncio.wait_for(anext(events), deadline - loop.time())
+            except StopAsyncIteration:
+                return
+            yield _frame(event.type, event.model_dump_json())
+    except Exception as exc:
+        yield _frame("error", json.dumps(http_error(exc).body()))
+    finally:
+        await events.aclose()
 
 
 def build_api(ingress: Ingress) -> FastAPI:
@@ -157,6 +222,8 @@ def build_api(ingress: Ingress) -> FastAPI:
         response.headers.update(headers)
         return response
 
+    api.add_middleware(RequestMetrics)  # outermost: counts and times every answer, errors and streams included
+
     @api.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(client_error(list(exc.errors()), root=("body",)))
@@ -166,13 +233,13 @@ def build_api(ingress: Ingress) -> FastAPI:
         # Unknown paths, wrong methods, unreadable bodies: same body shape all the same.
         return error_response(http_error(exc))
 
-    @api.post("/v1/images/generations", response_model=ImagesResponse, responses=ERRORS)
+    @api.post("/v1/images/generations", response_model=ImagesResponse, responses={**ERRORS, **STREAMED})
     async def images_generations(body: ImageGenerationRequest):
-        return await respond(ingress.images(body))
+        return await respond(images_or_events(ingress, body, timeout_s))
 
-    @api.post("/v1/images/edits", response_model=ImagesResponse, responses=ERRORS, openapi_extra=EDIT_BODY)
+    @api.post("/v1/images/edits", response_model=ImagesResponse, responses={**ERRORS, **STREAMED}, openapi_extra=EDIT_BODY)
     async def images_edits(request: Request):
-        return await respond(edit_images(ingress, request))
+        return await respond(edit_images(ingress, request, timeout_s))
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest):
@@ -189,4 +256,5 @@ def build_api(ingress: Ingress) -> FastAPI:
             return report
         return JSONResponse(report.model_dump(exclude_none=True), status_code=report.http_status)
 
+    mount_playground(api)  # GET /: the playground page and its assets
     return api

@@ -1,4 +1,7 @@
-"""The `omniserve` command line: one entry for every command (`omniserve audit`, `omniserve bench`)."""
+"""The `omniserve` command line: one entry for every command (`omniserve audit`, `bench`, `generate`, `verify`, `health`).
+
+`generate`, `verify` and `health` talk to a running server (`--url`, else OMNISERVE_URL); `orchestration.client`
+holds their HTTP side."""
 
 from __future__ import annotations
 
@@ -22,14 +25,21 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _audited_models(args: argparse.Namespace) -> list[str] | None:
+    """The --model values, "default" standing for the stage's default model (whatever its id is)."""
+    from stages.embedded import DEFAULT_MODELS
+
+    return [DEFAULT_MODELS[args.stage] if model == "default" else model for model in args.model or []] or None
+
+
 def _diffusion_report(args: argparse.Namespace, command: list[str]) -> dict:
     from stages.audit.diffusion import run_diffusion_audit
     from stages.embedded import embedded_models
 
     return run_diffusion_audit(
-        args.model or embedded_models("diffusion"), picture_path=args.picture, command=command, log=_log,
+        _audited_models(args) or embedded_models("diffusion"), picture_path=args.picture, command=command, log=_log,
         kernels=args.kernels, batch_sizes=args.batch_sizes, dtype=args.dtype, steps=args.steps, size=args.size,
-        path=args.path,
+        path=args.path, torch_threads=args.torch_threads,
     )
 
 
@@ -44,16 +54,21 @@ def _llm_report(args: argparse.Namespace, command: list[str]) -> dict:
             samplings=args.samplings, max_tokens=args.max_tokens, ablation=args.ablation, command=command, log=_log,
             dtype=args.dtype, torch_threads=args.torch_threads,
         )
-        for model in args.model or [None]
+        for model in _audited_models(args) or [None]
     ]
     report = reports[0]
     for extra in reports[1:]:
         report["runs"] += extra["runs"]
+        report["scope"] += extra["scope"]
     return report
 
 
 def audit(args: argparse.Namespace) -> int:
-    """Run an invariance audit; exit 1 when kernels were on and any run differed."""
+    """Run an invariance audit; exit 1 when kernels were on and any run differed, or `--record` recorded nothing."""
+    from pathlib import Path
+
+    from contracts.scope import user_records
+    from stages.audit.record import record_report
     from stages.audit.report import markdown_table, write_outputs
 
     command = ["omniserve", *sys.argv[1:]]
@@ -64,6 +79,8 @@ def audit(args: argparse.Namespace) -> int:
     if differed:
         print(f"NOT INVARIANT: {len(differed)} run(s) with kernels on differed", file=sys.stderr)
         return 1
+    if args.record is not None:
+        return 0 if record_report(report, Path(args.record) if args.record else user_records(), log=_log) else 1
     return 0
 
 
@@ -171,12 +188,18 @@ def _audit_parser(commands) -> None:
         "kernels off (the control) and on, and count differing elements.",
     )
     parser.add_argument("--stage", choices=["diffusion", "llm"], required=True)
-    parser.add_argument("--model", action="append", help="model id or path (repeatable; default: the embedded ones)")
+    parser.add_argument("--model", action="append", help="model id or path, or `default`: the stage's default model "
+                        "(repeatable; default: diffusion, the embedded random-weight ones; llm, its default)")
     parser.add_argument("--json", metavar="PATH", help="write the full report (runs, summary, environment)")
     parser.add_argument("--markdown", metavar="PATH", help="write the evidence table")
     parser.add_argument("--kernels", type=_words, default=["off", "on"], help="settings to run (default: off,on)")
     parser.add_argument("--batch-sizes", type=_ints, default=list(range(1, 9)), help="e.g. 1-8 or 1,4,8")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="threads of the renderer / of vLLM's CPU worker (default: torch's, vLLM's own choice)")
+    parser.add_argument("--record", nargs="?", const="", metavar="DIR",
+                        help="write a scope record per configuration whose control varied and whose kernels-on runs "
+                        "had 0 differing elements (default DIR: the user's cache; docs/evidence/scope for shipped ones)")
     diffusion = parser.add_argument_group("diffusion stage")
     diffusion.add_argument("--picture", metavar="PATH", help="PNG of solo | co-batched | difference")
     diffusion.add_argument("--steps", type=int, default=8, help="denoising steps")
@@ -189,7 +212,6 @@ def _audit_parser(commands) -> None:
     llm.add_argument("--orderings", type=_words, default=list(LLM_ORDERINGS), help=f"of {','.join(LLM_ORDERINGS)}")
     llm.add_argument("--samplings", type=_words, default=list(SAMPLINGS), help=f"of {','.join(SAMPLINGS)}")
     llm.add_argument("--max-tokens", type=int, default=16)
-    llm.add_argument("--torch-threads", type=int, default=None, help="OpenMP threads of vLLM's CPU worker")
     llm.add_argument("--ablation", choices=sorted(ABLATIONS), help="kernels on, one engine setting changed")
     parser.set_defaults(run=audit)
 
@@ -257,6 +279,78 @@ def _bench_load_options(parser) -> None:
     abandoned.add_argument("--give-up-s", type=float, help="the big clients' timeout (default 1.0)")
 
 
+def generate(args: argparse.Namespace) -> int:
+    """Stream one generation with a progress bar; write the PNGs into --out."""
+    from pathlib import Path
+
+    from orchestration.client import ServerError, generate as stream_images
+
+    options = {"n": args.n, "seed": args.seed, "size": args.size, "num_inference_steps": args.steps,
+               "guidance_scale": args.guidance_scale, "negative_prompt": args.negative_prompt}
+    body = {"prompt": args.prompt, "enhance_prompt": not args.no_enhance, "partial_images": args.partial_images,
+            **{k: v for k, v in options.items() if v is not None}}
+    try:
+        stream_images(args.url, body, Path(args.out))
+    except ServerError as err:
+        print(f"omniserve generate: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Render each file again on the server from its own provenance; 0 only if every sha256 matches."""
+    from pathlib import Path
+
+    from orchestration.client import ServerError, verify as verify_files
+
+    try:
+        return verify_files(args.url, [Path(p) for p in args.images])
+    except ServerError as err:
+        print(f"omniserve verify: {err}", file=sys.stderr)
+        return 2
+
+
+def health(args: argparse.Namespace) -> int:
+    """/health as a table; exit 1 when the server says it is down (or cannot be reached)."""
+    from orchestration.client import ServerError, get_json, health_table
+
+    try:
+        report = get_json(args.url, "/health", ok=(503,))
+    except ServerError as err:
+        print(f"omniserve health: {err}", file=sys.stderr)
+        return 1
+    print(health_table(report))
+    return 1 if report.get("status") == "down" else 0
+
+
+def _client_parsers(commands) -> None:
+    from contracts.envs import read
+
+    url = argparse.ArgumentParser(add_help=False)
+    url.add_argument("--url", default=read("OMNISERVE_URL"), help="the server (default: $OMNISERVE_URL, else %(default)s)")
+    parser = commands.add_parser("generate", parents=[url], help="generate images on a running server, with progress",
+                                 description="One streamed request; each image is written as OUT/image-<i>-<seed>.png "
+                                 "with its provenance inside, and printed with its seed and sha256.")
+    parser.add_argument("prompt")
+    parser.add_argument("--n", type=int, help="images (default 1)")
+    parser.add_argument("--seed", type=int, help="the request's seed (image i gets its own, derived from it)")
+    parser.add_argument("--size", help="WIDTHxHEIGHT, e.g. 64x64 (default: the model's)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default: the server's)")
+    parser.add_argument("--guidance-scale", type=float)
+    parser.add_argument("--negative-prompt")
+    parser.add_argument("--no-enhance", action="store_true", help="render the prompt as given (no LLM rewrite)")
+    parser.add_argument("--partial-images", type=int, default=2, help="previews per image, 0-3 (default 2)")
+    parser.add_argument("--out", default=".", help="directory for the PNGs (default: here)")
+    parser.set_defaults(run=generate)
+    parser = commands.add_parser("verify", parents=[url], help="check that the server renders image files again bit for bit",
+                                 description="Reads each file's provenance, compares the server's stages with it, renders "
+                                 "it again (n=1, its seed and parameters) and compares sha256. Exit 0 only if all match.")
+    parser.add_argument("images", nargs="+", metavar="IMAGE.png")
+    parser.set_defaults(run=verify)
+    parser = commands.add_parser("health", parents=[url], help="the server's stages, switches, kernels and replicas")
+    parser.set_defaults(run=health)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniserve",
@@ -265,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _audit_parser(commands)
     _bench_parser(commands)
+    _client_parsers(commands)
     return parser
 
 

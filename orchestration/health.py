@@ -16,6 +16,10 @@ gone or stuck), it runs with another switch than the app gave it, or invariance 
 not installed. A stage scaled to zero by its autoscaling config is `running` (its first request starts a
 replica); the probe never asks a stage with no replica RUNNING, so it never scales one up.
 
+Each stage also says whether its replicas run inside the verified scope (`verified`, and per replica `scope`: the
+replica's verdict and, when unverified, the nearest audit record's differences; contracts/scope.py). That is
+information, not a fault: an unverified replica serves (a strict one never starts).
+
 The app's `status` is "ok" when every stage is running, "degraded" (still HTTP 200) when some stage serves
 with less, "down" (HTTP 503) when some stage cannot serve. `reasons` says why, per stage.
 
@@ -37,6 +41,7 @@ from ray import serve
 from contracts.config import DeploymentConfig
 from contracts.invariance import STAGES
 from contracts.results import StageDescription
+from contracts.scope import Verdict
 
 from .config import DEPLOYMENT_NAMES, AppConfig
 from .errors import http_error
@@ -65,6 +70,10 @@ class StageHealth(BaseModel):
     describe: dict[str, Any] | None = None  # one answering replica: id, running, its public details
     replicas_described: int | None = None  # how many replicas answered describe()
     replicas: dict[str, Any] | None = None
+    # Every replica that answered runs a configuration an audit record covers (contracts/scope.py); per replica,
+    # its verdict and, when unverified, why. Informative: an unverified replica still serves (unless strict).
+    verified: bool | None = None
+    scope: dict[str, Verdict] | None = None
 
 
 class HealthResponse(BaseModel):
@@ -150,6 +159,9 @@ def stage_health(switch: bool, wanted: int, replicas: dict[str, Any], answers: A
             describe={"replica": answer.replica, "running": answer.running,
                       "details": redact({k: v for k, v in answer.details.items() if k in PUBLIC_DETAILS})},
             replicas_described=len(answers),
+            verified=all(a.verified for a in answers),
+            scope={a.replica or "unknown": Verdict(verified=a.verified, differences=redact(a.scope_differences))
+                   for a in answers},
         ))
     return health
 

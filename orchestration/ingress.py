@@ -1,6 +1,7 @@
 """The ingress deployment: admission, fan-out to the stages, responses. Holds no model.
 
     POST /v1/images/generations   admit -> per image (LLM enhance -> diffusion generate) -> b64 PNGs
+                                  (`stream: true`: server-sent events, previews then each image; `orchestration.api`)
     POST /v1/images/edits         the same, from an image (multipart): admit it -> ... -> diffusion edit -> b64 PNGs
     POST /v1/chat/completions     the LLM stage alone
     GET  /v1/models               the served models, OpenAI's list format
@@ -13,19 +14,20 @@ replica by `__serve_build_asgi_app__` so that it can carry this replica's config
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 
 from contracts.errors import ModelNotFoundError
 from contracts.http import ChatCompletionRequest, ChatCompletionResponse, ImageGenerationRequest, ImagesResponse, ModelCard, ModelList
-from contracts.http import ImageEditRequest
+from contracts.http import STREAM_EVENT_KINDS, ImageCompletedEvent, ImageEditRequest, ImagePartialEvent
 from contracts.invariance import STAGES
 
 from .config import AppConfig
 from .health import HealthProbe, HealthResponse
-from .pipeline import ImagePipeline, RewriteCache, admit_chat, admit_edit, admit_images
-from .responses import chat_response, images_response
+from .pipeline import ImagePipeline, ImagePlan, RewriteCache, admit_chat, admit_edit, admit_images
+from .responses import chat_response, image_event, images_response
 from .retries import Retrying
 
 
@@ -49,11 +51,21 @@ class Ingress:
 
     async def images(self, request: ImageGenerationRequest) -> ImagesResponse:
         """Generations, and edits (an ImageEditRequest): the same checks, seeds and stages, the image added."""
-        if request.model is not None:
-            await self.check_model("diffusion", request.model)
-        plan = admit_edit(request, self.config) if isinstance(request, ImageEditRequest) else admit_images(request, self.config)
+        plan = await self.plan(request)
         results = await self.pipeline.run(plan)
         return images_response(plan, results, self.config.switches)
+
+    async def image_events(self, request: ImageGenerationRequest) -> AsyncIterator[ImagePartialEvent | ImageCompletedEvent]:
+        """A streamed generation or edit: admitted now (a bad request raises before anything is sent), then its events."""
+        plan = await self.plan(request)
+        kind = STREAM_EVENT_KINDS["edit" if isinstance(request, ImageEditRequest) else "generation"]
+        return (image_event(kind, index, item) async for index, item in self.pipeline.stream(plan, request.partial_images or 0))
+
+    async def plan(self, request: ImageGenerationRequest) -> ImagePlan:
+        """The admitted plan of a generation or edit (every 4xx decided here)."""
+        if request.model is not None:
+            await self.check_model("diffusion", request.model)
+        return admit_edit(request, self.config) if isinstance(request, ImageEditRequest) else admit_images(request, self.config)
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         if request.model is not None:

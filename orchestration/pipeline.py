@@ -4,24 +4,30 @@
     admit_edit(request, config) -> ImagePlan       the same, for an edit: its image admitted, its size the image's
     ImagePipeline.run(plan) -> [ImageResult]       n images concurrently, so the diffusion stage co-batches
                                                    (an edit's images: DiffusionStage.edit with the plan's image)
+    ImagePipeline.stream(plan, k) -> (i, item)...  the same, streamed: each image's PartialImage previews as the
+                                                   diffusion stage decodes them, then its ImageResult
     RewriteCache                                   rewrites already made, by (prompt, seeded params): bounded LRU
 
 Image i is a pure function of (prompt, parameters, s_i), with s_i = seed_for_image(seed, i): a request
-with n=1 and seed=s_i reproduces it bit for bit, revised prompt included. The stages admit what they are
-handed again, with the same functions (contracts.admission).
+with n=1 and seed=s_i reproduces it bit for bit, revised prompt included, streamed or not: each image's origin
+(the client's prompt, the rewrite and its params) goes to the diffusion stage, which writes it into the PNG
+(`contracts.provenance`). The stages admit what they are handed again, with the same functions (contracts.admission).
+A streamed image is not retried: its previews have been sent (a failure ends the stream with an error event).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from contracts.admission import admit_diffusion_params, admit_llm_params
 from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerationRequest, parse_size
 from contracts.images import admit_image, edit_size
-from contracts.results import RenderedImage, RevisedPrompt
+from contracts.provenance import ImageOrigin
+from contracts.results import PartialImage, RenderedImage, RevisedPrompt
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import pick_seed, seeds_for_request
 
@@ -40,6 +46,12 @@ class ImagePlan:
     llm_params: list[LLMSamplingParams]  # per image (empty when enhance is off)
     diffusion_params: list[DiffusionSamplingParams]  # per image
     image: bytes | None = None  # an edit's image (None: a generation)
+
+    @property
+    def images(self) -> list[tuple[LLMSamplingParams | None, DiffusionSamplingParams]]:
+        """Each image's (rewrite params, None when enhancement is off; diffusion params)."""
+        llm = self.llm_params if self.enhance else [None] * len(self.diffusion_params)
+        return list(zip(llm, self.diffusion_params))
 
 
 @dataclass(frozen=True)
@@ -147,23 +159,50 @@ class ImagePipeline:
             self.rewrites.put(prompt, llm_params, rewrite)
         return rewrite
 
+    async def origin(self, prompt: str, llm_params: LLMSamplingParams | None) -> tuple[RevisedPrompt | None, ImageOrigin]:
+        """The rewrite of one image's prompt (None when enhancement is off) and the origin its PNG records."""
+        rewrite = None if llm_params is None else await self.rewrite(prompt, llm_params)
+        return rewrite, ImageOrigin.of(prompt, rewrite)
+
     async def image(self, prompt: str, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams,
                     init_image: bytes | None = None) -> ImageResult:
-        rewrite = None
-        if llm_params is not None:
-            rewrite = await self.rewrite(prompt, llm_params)
-            prompt = rewrite.revised_prompt
+        rewrite, origin = await self.origin(prompt, llm_params)
+        prompt = rewrite.revised_prompt if rewrite else prompt
         if init_image is None:
-            image = await self.retrying.call("a render", lambda: self.diffusion.generate.remote(prompt, params))
+            image = await self.retrying.call("a render", lambda: self.diffusion.generate.remote(prompt, params, origin))
         else:
-            image = await self.retrying.call("an edit", lambda: self.diffusion.edit.remote(prompt, init_image, params))
+            image = await self.retrying.call("an edit", lambda: self.diffusion.edit.remote(prompt, init_image, params, origin))
         return ImageResult(revised_prompt=prompt, image=image, rewrite=rewrite)
 
+    async def image_stream(self, prompt: str, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams,
+                           init_image: bytes | None, partial_images: int) -> AsyncIterator[PartialImage | ImageResult]:
+        """One image streamed: its previews from the diffusion stage (`DiffusionStage.stream`), then its result."""
+        rewrite, origin = await self.origin(prompt, llm_params)
+        prompt = rewrite.revised_prompt if rewrite else prompt
+        items = self.diffusion.options(stream=True).stream.remote(prompt, params, init_image, origin, partial_images)
+        async for item in items:
+            yield item if isinstance(item, PartialImage) else ImageResult(revised_prompt=prompt, image=item, rewrite=rewrite)
+
     async def run(self, plan: ImagePlan) -> list[ImageResult]:
-        llm = plan.llm_params if plan.enhance else [None] * len(plan.diffusion_params)
-        return await gather_or_cancel(
-            [self.image(plan.prompt, llm_params, params, plan.image) for llm_params, params in zip(llm, plan.diffusion_params)]
-        )
+        return await gather_or_cancel([self.image(plan.prompt, llm_params, params, plan.image) for llm_params, params in plan.images])
+
+    async def stream(self, plan: ImagePlan, partial_images: int) -> AsyncIterator[tuple[int, PartialImage | ImageResult]]:
+        """(image index, preview or result) as they come, the n images rendered concurrently; the first failure
+        ends the stream (raised after what came before it)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def one(index: int, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams) -> None:
+            async for item in self.image_stream(plan.prompt, llm_params, params, plan.image, partial_images):
+                queue.put_nowait((index, item))
+
+        work = asyncio.ensure_future(gather_or_cancel([one(i, *pair) for i, pair in enumerate(plan.images)]))
+        work.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (item := await queue.get()) is not None:
+                yield item
+            work.result()
+        finally:
+            work.cancel()
 
 
 async def gather_or_cancel(coroutines: list) -> list[Any]:

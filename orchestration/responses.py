@@ -12,32 +12,54 @@ from contracts.http import (
     ChatCompletionResponse,
     ChoiceLogprobs,
     ContentLogprob,
+    ImageCompletedEvent,
     ImageData,
+    ImagePartialEvent,
     ImagesResponse,
+    ImageTokensDetails,
+    ImageUsage,
     StageInvariance,
     TokenLogprob,
 )
-from contracts.results import Completion
+from contracts.results import Completion, PartialImage, Provenance
 
 from .pipeline import ImagePlan, ImageResult
+
+
+def _b64(png: bytes) -> str:
+    return base64.b64encode(png).decode("ascii")
+
+
+def image_data(r: ImageResult) -> ImageData:
+    return ImageData(b64_json=_b64(r.image.png), revised_prompt=r.revised_prompt, seed=r.image.seed, sha256=r.image.sha256,
+                     replica=r.image.replica, batch_size=r.image.batch_size, steps_co_batched=r.image.steps_co_batched)
+
+
+def image_event(kind: str, index: int, item: PartialImage | ImageResult) -> ImagePartialEvent | ImageCompletedEvent:
+    """One server-sent event of a streamed request (`kind`: "image_generation" or "image_edit") for image `index`."""
+    if isinstance(item, PartialImage):
+        return ImagePartialEvent(type=f"{kind}.partial_image", b64_json=_b64(item.png), created_at=int(time.time()),
+                                 size=f"{item.width}x{item.height}", image_index=index, partial_image_index=item.index)
+    text, out = (item.rewrite.prompt_tokens, len(item.rewrite.token_ids)) if item.rewrite else (0, 0)
+    usage = ImageUsage(input_tokens=text, input_tokens_details=ImageTokensDetails(text_tokens=text), output_tokens=out,
+                       total_tokens=text + out)
+    return ImageCompletedEvent(type=f"{kind}.completed", created_at=int(time.time()), size=f"{item.image.width}x{item.image.height}",
+                               image_index=index, usage=usage, **image_data(item).model_dump())
+
+
+def scope(results: list[Provenance]) -> dict:
+    """A stage's `verified` in a response: every result it gave was verified; else each reason, once."""
+    if not results:
+        return {}
+    reasons = [reason for result in results for reason in result.scope_differences]
+    return {"verified": all(result.verified for result in results), "scope_differences": list(dict.fromkeys(reasons))}
 
 
 def images_response(plan: ImagePlan, results: list[ImageResult], switches: dict[str, bool]) -> ImagesResponse:
     first = results[0]
     return ImagesResponse(
         created=int(time.time()),
-        data=[
-            ImageData(
-                b64_json=base64.b64encode(r.image.png).decode("ascii"),
-                revised_prompt=r.revised_prompt,
-                seed=r.image.seed,
-                sha256=r.image.sha256,
-                replica=r.image.replica,
-                batch_size=r.image.batch_size,
-                steps_co_batched=r.image.steps_co_batched,
-            )
-            for r in results
-        ],
+        data=[image_data(r) for r in results],
         model=first.image.model,
         size=f"{first.image.width}x{first.image.height}",
         invariance={
@@ -45,8 +67,10 @@ def images_response(plan: ImagePlan, results: list[ImageResult], switches: dict[
                 batch_invariant=switches["llm"],
                 kernel_backend=first.rewrite.kernel_backend if first.rewrite else None,
                 used=plan.enhance,
+                **scope([r.rewrite for r in results if r.rewrite]),
             ),
-            "diffusion": StageInvariance(batch_invariant=switches["diffusion"], kernel_backend=first.image.kernel_backend),
+            "diffusion": StageInvariance(batch_invariant=switches["diffusion"], kernel_backend=first.image.kernel_backend,
+                                         **scope([r.image for r in results])),
         },
     )
 
@@ -85,5 +109,6 @@ def chat_response(result: Completion, *, seed: int | None, with_logprobs: bool, 
         system_fingerprint=f"omniserve-llm-bi{int(batch_invariant)}",
         seed=seed,
         token_ids=result.token_ids,
-        invariance={"llm": StageInvariance(batch_invariant=batch_invariant, kernel_backend=result.kernel_backend)},
+        invariance={"llm": StageInvariance(batch_invariant=batch_invariant, kernel_backend=result.kernel_backend,
+                                           **scope([result]))},
     )

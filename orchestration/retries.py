@@ -16,6 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from stages.metrics import record
+
 from .errors import cause_of
 
 logger = logging.getLogger("ray.serve")
@@ -48,6 +50,7 @@ class Retrying:
                 if attempt == self.attempts or not is_infrastructure_failure(exc):
                     raise
                 self.retried += 1
+                record("omniserve_retries_total", call=what, cause=type(cause_of(exc)).__name__)
                 logger.warning("%s failed (%s); sending it again (attempt %d of %d)", what, type(cause_of(exc)).__name__,
                                attempt + 1, self.attempts)
                 await asyncio.sleep(self.backoff_s * attempt)

@@ -11,8 +11,10 @@ Read top to bottom:
                      (image-to-image, `stages.engine.img2img`) run there only.
   RequestBatching    any other pipeline: one @serve.batch queue per batch key, whole requests.
   DiffusionStage     the Ray Serve deployment: admission (`contracts.admission`), a bounded number of
-                     requests in flight, PNG bytes, their sha256 and provenance as a `RenderedImage`; its health
-                     check fails when the compute thread is gone or one step has run past `stuck_after_s`.
+                     requests in flight, PNG bytes (their text chunks record how they were made:
+                     `contracts.provenance`), their sha256 and provenance as a `RenderedImage`; `stream` sends
+                     partial images (the step engine's previews) before it; its health check fails when the
+                     compute thread is gone or one step has run past `stuck_after_s`.
 
 Nothing here knows about HTTP; errors are typed (`contracts.errors`) for the ingress to map.
 """
@@ -27,7 +29,7 @@ import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray import serve
@@ -37,14 +39,18 @@ from contracts.config import DiffusionDefaults, DiffusionStageConfig
 from contracts.errors import InvalidRequestError, QueueFullError
 from contracts.images import admit_image, edit_size
 from contracts.invariance import resolve_batch_invariant
-from contracts.results import RenderedImage, StageDescription
+from contracts.provenance import ImageOrigin, ImageRecord, png_info
+from contracts.results import PartialImage, Provenance, RenderedImage, StageDescription
 from contracts.sampling import DiffusionSamplingParams
 from contracts.seeds import pick_seed
 from stages import replica_id
 from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
 from stages.engine import Sample, StepEngine, family_for
 from stages.engine.families import SLICED_DECODE_PIXELS
+from stages.engine.sample import preview_steps
 from stages.engine.img2img import edit_steps, strength_of
+from stages.metrics import image_counted, record_queue_wait, record_switch_state, timed_stage_call
+from stages.scope import diffusion_scope
 
 #: The sampling params a RenderedImage reports (each one as the image was really rendered).
 RENDERED_PARAMS = {"seed", "height", "width", "num_inference_steps", "guidance_scale"}
@@ -79,21 +85,24 @@ class BatchKey:
 
 @dataclass(frozen=True)
 class Job:
-    """One image to render: its prompt, its resolved params and, for an edit, its init image."""
+    """One image to render: its prompt, its resolved params, for an edit its init image, and what its PNG records."""
 
     prompt: str
     params: DiffusionSamplingParams  # resolved: no None left but negative_prompt/latents/sigmas/device
     image: Any = None  # edits: the init image, preprocessed (1, 3, H, W) (stages.engine.img2img); None: text-to-image
+    source: bytes | None = None  # edits: the init image as sent (its sha256 goes into the PNG's record)
+    origin: ImageOrigin | None = None  # the client's prompt and its rewrite, when the ingress sent it
+    previews: tuple[int, ...] = ()  # the steps after which a partial image is decoded (streaming)
 
 
-def encode_png(image) -> bytes:
-    """float HxWx3 in [0, 1] -> PNG bytes, the way diffusers quantises (round(x * 255))."""
+def encode_png(image, record: ImageRecord | None = None) -> bytes:
+    """float HxWx3 in [0, 1] -> PNG bytes, the way diffusers quantises (round(x * 255)), with the record's chunks."""
     import numpy as np
     from PIL import Image
 
     pixels = (np.clip(image, 0.0, 1.0) * 255).round().astype("uint8")
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=6)
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=6, pnginfo=png_info(record))
     return buffer.getvalue()
 
 
@@ -258,7 +267,8 @@ class StepBatching:
         self.engine = StepEngine(renderer.family, max_batch_size=config.max_batch_size, torch_threads=config.torch_threads)
         self.rendered = rendered  # (job, float image, batch_size, steps_co_batched) -> RenderedImage
 
-    async def render(self, job: Job) -> RenderedImage:
+    async def render(self, job: Job, on_preview=None) -> RenderedImage:
+        """Render one job; `on_preview(index, float image)` is called on the engine's thread at `job.previews`."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -267,12 +277,15 @@ class StepBatching:
                 result = self.rendered(job, result, sample.largest_batch, sample.steps_co_batched)
             loop.call_soon_threadsafe(_settle, future, result)
 
-        sample = self.engine.submit(Sample(job.prompt, job.params, on_done=on_done, image=job.image))
+        sample = self.engine.submit(Sample(job.prompt, job.params, on_done=on_done, image=job.image, on_partial=on_preview,
+                                           partial_steps=job.previews if on_preview else ()))
         try:
             return await future
         except asyncio.CancelledError:
             self.engine.cancel(sample)
             raise
+        finally:
+            record_queue_wait(sample)
 
     def warm_up(self, job: Job) -> None:
         self.engine.render([Sample(job.prompt, job.params, on_done=None)])
@@ -302,7 +315,8 @@ class RequestBatching:
         # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
 
-    async def render(self, job: Job) -> RenderedImage:
+    async def render(self, job: Job, on_preview=None) -> RenderedImage:
+        """Render one job in a whole-request batch: no partial images (the pipeline has no step boundary to show)."""
         return await self._queue(BatchKey.of(job.params))(job)
 
     def _queue(self, key: BatchKey):
@@ -351,6 +365,25 @@ def _settle(future: asyncio.Future, result: Any) -> None:
         future.set_result(result)
 
 
+async def previews_then_image(render, job: Job):
+    """`render(job, on_preview)` as a stream: each PartialImage as the engine decodes it, then the RenderedImage."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def preview(index: int, picture: Any) -> None:  # on the engine's thread, before its image is done
+        partial = PartialImage(index=index, png=encode_png(picture), height=job.params.height, width=job.params.width)
+        loop.call_soon_threadsafe(queue.put_nowait, partial)
+
+    rendering = asyncio.ensure_future(render(job, preview))
+    rendering.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        while (item := await queue.get()) is not None:
+            yield item
+        yield rendering.result()
+    finally:
+        rendering.cancel()  # the caller went away: the sample leaves the engine at its next step
+
+
 @serve.deployment
 class DiffusionStage:
     """One pipeline per replica; step-level batching where the engine knows the pipeline, else whole requests."""
@@ -361,10 +394,16 @@ class DiffusionStage:
         self.config = config.model_copy(update={"batch_invariant": batch_invariant})
         self.batch_invariant = batch_invariant
         self.renderer = DiffusionRenderer(self.config)
+        # What each image's record says of this stage (every Provenance field, so one added there is written too).
+        self.provenance = Provenance(model=self.renderer.model, batch_invariant=batch_invariant,
+                                     kernel_backend=self.renderer.kernels.backend)
         self.in_flight = 0
         self.replica = replica_id()
         step = self.config.batching == "step" and self.renderer.family is not None
+        self.scope = diffusion_scope(self.renderer, self.config, "step" if step else "request")  # strict: refuses here
+        self.provenance = self.provenance.model_copy(update=self.scope.provenance())
         self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config, self._rendered)
+        record_switch_state("diffusion", batch_invariant, self.renderer.kernels.backend)
         if self.config.warm_up:
             self.batching.warm_up(Job("warm-up", self.renderer.resolve(DiffusionSamplingParams(seed=0, num_inference_steps=1))))
 
@@ -374,12 +413,23 @@ class DiffusionStage:
         params = admit_diffusion_params(params, batch_invariant=self.batch_invariant)
         return Job(prompt, self.renderer.resolve(params, step_engine=self.batching.mode == "step"))
 
-    async def generate(self, prompt: str, params: Mapping | DiffusionSamplingParams | None = None) -> RenderedImage:
-        """Render one image: PNG bytes, their sha256 and provenance."""
-        job = self.admit(prompt, params or {})
-        if job.params.strength is not None:  # never silently ignored
-            raise InvalidRequestError("strength applies to edits (an input image) only", param="strength", code="unsupported_value")
-        return await self._render(job)
+    async def generate(self, prompt: str, params: Mapping | DiffusionSamplingParams | None = None,
+                       origin: ImageOrigin | None = None) -> RenderedImage:
+        """Render one image: PNG bytes (their record says `origin`'s prompt and rewrite), their sha256 and provenance."""
+        return await self._render(self._job(prompt, params, None, origin))
+
+    def _job(self, prompt: Any, params: Any, image: Any, origin: ImageOrigin | None, partial_images: int = 0) -> Job:
+        """An admitted generation (`image` None) or edit, with its origin and the steps of its `partial_images` previews."""
+        if image is not None:
+            job = self.admit_edit(prompt, image, params or {})
+            steps = edit_steps(self.renderer.family, job.params.num_inference_steps, job.params.strength)
+        else:
+            job = self.admit(prompt, params or {})
+            if job.params.strength is not None:  # never silently ignored
+                raise InvalidRequestError("strength applies to edits (an input image) only", param="strength", code="unsupported_value")
+            steps = job.params.num_inference_steps
+        self.scope.admit(job.params.width, job.params.height)
+        return replace(job, origin=origin, previews=preview_steps(steps, partial_images))
 
     def admit_edit(self, prompt: Any, image: Any, params: Any) -> Job:
         """Validate one edit into a Job with its init image (`contracts.images`), or raise InvalidRequestError.
@@ -400,33 +450,45 @@ class DiffusionStage:
         if edit_steps(self.renderer.family, resolved.num_inference_steps, resolved.strength) < 1:
             raise InvalidRequestError(f"strength {resolved.strength} leaves none of {resolved.num_inference_steps} steps to run; "
                                       "raise strength or num_inference_steps", param="strength", code="out_of_range")
-        return Job(prompt, resolved, image=self.renderer.pipe.image_processor.preprocess(picture))
+        return Job(prompt, resolved, image=self.renderer.pipe.image_processor.preprocess(picture), source=image)
 
-    async def edit(self, prompt: str, image: bytes, params: Mapping | DiffusionSamplingParams | None = None) -> RenderedImage:
+    async def edit(self, prompt: str, image: bytes, params: Mapping | DiffusionSamplingParams | None = None,
+                   origin: ImageOrigin | None = None) -> RenderedImage:
         """Render one image from `image` (image-to-image, starting at `params.strength`): PNG bytes, sha256, provenance."""
-        return await self._render(self.admit_edit(prompt, image, params or {}))
+        return await self._render(self._job(prompt, params, image, origin))
 
-    async def _render(self, job: Job) -> RenderedImage:
+    async def stream(self, prompt: str, params: Mapping | DiffusionSamplingParams | None = None, image: bytes | None = None,
+                     origin: ImageOrigin | None = None, partial_images: int = 0):
+        """A generation (or, with `image`, an edit) as a stream: up to `partial_images` PartialImage previews, then
+        the RenderedImage, the same bytes `generate`/`edit` return. Call it with `handle.options(stream=True)`.
+
+        Previews come from the step engine only (whole-request batching has no step to show: the image alone)."""
+        async for item in previews_then_image(self._render, self._job(prompt, params, image, origin, partial_images)):
+            yield item
+
+    async def _render(self, job: Job, on_preview=None) -> RenderedImage:
         """Render an admitted job; past `max_queued` requests in flight, QueueFullError."""
         if self.in_flight >= self.config.max_queued:
             raise QueueFullError(f"diffusion replica {self.replica} has {self.in_flight} requests in flight; retry shortly")
+        method = "generation" if job.image is None else "edit"
         self.in_flight += 1
         try:
-            return await self.batching.render(job)
+            with timed_stage_call("diffusion", method):
+                return image_counted(method, await self.batching.render(job, on_preview))
         finally:
             self.in_flight -= 1
 
     def _rendered(self, job: Job, image: Any, batch_size: int, steps_co_batched: int) -> RenderedImage:
-        png = encode_png(image)
+        provenance = self.provenance.model_copy(update=self.scope.provenance(self.scope.for_size(job.params.width, job.params.height)))
+        record = ImageRecord.of(job.prompt, job.params, provenance, job.origin, job.source)
+        png = encode_png(image, record)
         return RenderedImage(
             png=png,
             sha256=hashlib.sha256(png).hexdigest(),
             **job.params.model_dump(include=RENDERED_PARAMS),
             batch_size=batch_size,
             steps_co_batched=steps_co_batched,
-            model=self.renderer.model,
-            batch_invariant=self.batch_invariant,
-            kernel_backend=self.renderer.kernels.backend,
+            **provenance.model_dump(),
             replica=self.replica,
         )
 
@@ -438,10 +500,8 @@ class DiffusionStage:
         problem = self.problem()
         return StageDescription(
             stage="diffusion",
-            model=self.renderer.model,
             replica=self.replica,
-            batch_invariant=self.batch_invariant,
-            kernel_backend=self.renderer.kernels.backend,
+            **self.provenance.model_dump(),  # model, switch, kernel backend, verified scope
             kernels=self.renderer.kernels.to_dict(),
             kernels_installed=self.renderer.kernels.installed,
             running=problem is None,

@@ -67,6 +67,7 @@ ONE_DEFINITION = {
     "the atomic cache builder": r"\bmkdtemp\(",
     "embedded id omniserve/tiny-sd-unet": r"[\"']omniserve/tiny-sd-unet[\"']",
     "embedded id omniserve/tiny-sd3-dit": r"[\"']omniserve/tiny-sd3-dit[\"']",
+    "embedded id omniserve/tiny-shapes-sd": r"[\"']omniserve/tiny-shapes-sd[\"']",
     "embedded id embedded:tiny-llama": r"[\"']embedded:tiny-llama[\"']",
     "embedded id embedded:wide-llama": r"[\"']embedded:wide-llama[\"']",
 }

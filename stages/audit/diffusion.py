@@ -21,9 +21,11 @@ import torch
 
 from contracts.config import DiffusionStageConfig
 from contracts.sampling import DiffusionSamplingParams
+from stages.audit.record import scope_entry
 from stages.diffusion import DiffusionRenderer, Job
 from stages.embedded import embedded_models
 from stages.kernels import disable_batch_invariant_kernels
+from stages.scope import diffusion_configuration
 
 TARGET = ("a red fox in the snow, watercolor", 42)
 NEIGHBOURS = [
@@ -45,13 +47,14 @@ class Sample:
     pixels: torch.Tensor
 
 
-def stock_renderer(model: str, *, batch_invariant: bool, dtype: str = "float32") -> DiffusionRenderer:
+def stock_renderer(model: str, *, batch_invariant: bool, dtype: str = "float32",
+                   torch_threads: int | None = None) -> DiffusionRenderer:
     """The stage's own renderer, from stock kernels; it installs the kernels itself when `batch_invariant`.
 
     torch_threads=None: torch's own thread count, as the audit and the benchmark have always measured.
     """
     disable_batch_invariant_kernels()
-    config = DiffusionStageConfig(model=model, batch_invariant=batch_invariant, dtype=dtype, torch_threads=None)
+    config = DiffusionStageConfig(model=model, batch_invariant=batch_invariant, dtype=dtype, torch_threads=torch_threads)
     return DiffusionRenderer(config)
 
 
@@ -211,14 +214,21 @@ def audit_model(
     path: str = "engine",
     locate: bool = True,
     log: Callable[[str], None] = print,
+    torch_threads: int | None = None,
+    scope: list[dict] | None = None,
 ) -> tuple[list[dict], dict[str, list[Sample]]]:
-    """All runs for one model; also returns (solo, co-batched) samples of the worst run per setting, for pictures."""
+    """All runs for one model; also returns (solo, co-batched) samples of the worst run per setting, for pictures.
+
+    `scope`, when given, receives the kernels-on configuration (`stages.audit.record.scope_entry`)."""
     runs, examples = [], {}
     plans = batches(batch_sizes, orderings)
     render_path = RENDER_PATHS[path]
     locate = locate and path == "pipeline"  # module hooks see one request's rows only on the pipeline path
     for setting in kernels:  # each setting starts from stock kernels
-        renderer = stock_renderer(model, batch_invariant=setting == "on", dtype=dtype)
+        renderer = stock_renderer(model, batch_invariant=setting == "on", dtype=dtype, torch_threads=torch_threads)
+        if setting == "on" and scope is not None:
+            batching = "step" if path == "engine" else "request"
+            scope.append(scope_entry(model, diffusion_configuration(renderer, batching), sizes=[f"{size}x{size}"], steps=steps))
         params = renderer.resolve(DiffusionSamplingParams(seed=TARGET[1], num_inference_steps=steps, height=size, width=size))
         solo = render_path(renderer, [TARGET], params)[0]
         worst = (-1, None)
@@ -282,11 +292,11 @@ def run_diffusion_audit(
     """Audit every model; returns {"runs": [...], "summary": {...}, "environment": {...}}."""
     from stages.audit.report import environment, summarize
 
-    runs, first_examples = [], None
+    runs, first_examples, scope = [], None, []
     for model in models:
-        model_runs, examples = audit_model(model, log=log, **options)
+        model_runs, examples = audit_model(model, log=log, scope=scope, **options)
         runs += model_runs
         first_examples = first_examples or examples
     if picture_path and first_examples:
         picture(first_examples, picture_path)
-    return {"runs": runs, "summary": summarize(runs), "environment": environment(command)}
+    return {"runs": runs, "summary": summarize(runs), "environment": environment(command), "scope": scope}

@@ -286,9 +286,11 @@ def audit_config(model: str | None, setting: str, *, dtype: str, torch_threads: 
 
 
 async def _run(model: str | None, kernels: Sequence[str], ablation: str | None, engine_config: dict, audit: dict, log):
+    from stages.audit.record import scope_entry
     from stages.llm import LLMEngine
+    from stages.scope import llm_configuration
 
-    runs, engines = [], {}
+    runs, engines, scope = [], {}, []
     for setting in kernels:
         engine = LLMEngine(audit_config(model, setting, **engine_config))
         if ablation and setting == "on":
@@ -298,13 +300,16 @@ async def _run(model: str | None, kernels: Sequence[str], ablation: str | None, 
         await engine.start()
         log(f"[llm audit] engine kernels={setting} started in {engine.startup_s} s")
         try:
+            if setting == "on":  # the configuration a record of this audit would verify
+                detail = {k: audit[k] for k in ("targets", "samplings", "max_tokens")} | {"ablation": ablation}
+                scope.append(scope_entry(engine.model.name, llm_configuration(engine), detail=detail))
             runs += await audit_engine(
                 engine, kernels=setting, ablation=ablation if setting == "on" else None, log=log, **audit
             )
             engines[setting] = engine.describe().model_dump(mode="json")
         finally:
             engine.shutdown()
-    return runs, engines
+    return runs, engines, scope
 
 
 def run_llm_audit(
@@ -340,10 +345,10 @@ def run_llm_audit(
     audit = {"targets": targets, "batch_sizes": batch_sizes, "orderings": orderings, "samplings": samplings,
              "max_tokens": max_tokens}
     engine_config = {"dtype": dtype, "torch_threads": torch_threads}
-    runs, engines = asyncio.run(_run(model, kernels, ablation, engine_config, audit, log))
+    runs, engines, scope = asyncio.run(_run(model, kernels, ablation, engine_config, audit, log))
     # The model runs in vLLM's worker: its engine arguments and kernel reports, per setting.
     env["engines"] = engines
     env["seconds"] = round(time.time() - started, 1)
     summary = summarize(runs)
     summary["all_co_scheduled"] = all(r["co_scheduled"] in (None, r["batch_size"]) for r in runs)
-    return {"runs": runs, "summary": summary, "environment": env}
+    return {"runs": runs, "summary": summary, "environment": env, "scope": scope}

@@ -105,10 +105,10 @@ class StepEngine:
 
     def _take_joining(self) -> list[Sample]:
         """Waiting samples that join now (at most one batch of text encodings), the cancelled ones dropped."""
-        joining = []
+        joining, now = [], time.monotonic()
         while self._waiting and len(joining) < self.max_batch_size:
-            sample = self._waiting.popleft()
-            if not sample.cancelled:
+            if not (sample := self._waiting.popleft()).cancelled:
+                sample.joined_at = now
                 joining.append(sample)
         return joining
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,9 @@ class Sample:
     # Image edits: the init image, preprocessed by the pipeline's image processor, (1, 3, H, W); None: text-to-image.
     image: Any = None
     arrival: int = 0
+    # time.monotonic() when it was made and when it left the queue for the running batch: its queue wait (metrics).
+    created_at: float = field(default_factory=time.monotonic)
+    joined_at: float | None = None
     cancelled: bool = False
     # Set by the family when the sample joins.
     scheduler: Any = None
@@ -55,3 +59,9 @@ class Sample:
     @property
     def finished(self) -> bool:
         return self.timesteps is not None and self.step >= len(self.timesteps)
+
+
+def preview_steps(steps: int, count: int) -> tuple[int, ...]:
+    """After which of `steps` denoising steps to decode `count` partial images: evenly spaced, never after the last
+    (that one is the image itself), so fewer than `count` when there are too few steps."""
+    return tuple(sorted({min(max(round(steps * j / (count + 1)), 1), steps - 1) for j in range(1, count + 1)} - {0}))

@@ -59,6 +59,7 @@ class LLMEngine:
         self._tokenizer = None
         self.worker_reports: list[dict] = []
         self.startup_s: float | None = None
+        self.scope = None  # the stage's ReplicaScope (stages.scope), set once started; the audit's engines have none
 
     @property
     def device(self) -> str:

@@ -201,4 +201,6 @@ class LLMRequests:
 
     def provenance(self) -> dict[str, Any]:
         engine = self.engine
-        return {"model": engine.model.name, "batch_invariant": engine.batch_invariant, "kernel_backend": engine.kernel_backend}
+        scope = engine.scope.provenance() if engine.scope is not None else {}  # the stage decides it at start-up
+        return {"model": engine.model.name, "batch_invariant": engine.batch_invariant, "kernel_backend": engine.kernel_backend,
+                **scope}

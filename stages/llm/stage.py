@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from ray import serve
 
 from contracts.config import LLMStageConfig
 from contracts.results import Completion, RevisedPrompt, StageDescription
 from contracts.sampling import LLMSamplingParams
+from contracts.scope import OutsideVerifiedScopeError
 from stages import replica_id
+from stages.metrics import record, record_switch_state, timed_stage_call
+from stages.scope import llm_scope
 
 from .engine import LLMEngine
 from .requests import LLMRequests
+
+ResultT = TypeVar("ResultT", RevisedPrompt, Completion)
+
+
+def tokens_counted(method: str, result: ResultT) -> ResultT:
+    """`result`, its generated tokens added to `omniserve_llm_tokens_total`."""
+    record("omniserve_llm_tokens_total", len(result.token_ids), method=method)
+    return result
 
 
 # Serve's options (replicas, health checks, ongoing requests) come from the config: `config.deployment_options()`.
@@ -26,18 +37,26 @@ class LLMStage:
     async def __init__(self, config: LLMStageConfig | Mapping[str, Any] | None = None):  # type: ignore[misc]
         self.engine = LLMEngine(config)
         await self.engine.start()
+        try:
+            self.engine.scope = llm_scope(self.engine)  # strict and outside the verified scope: refuses to start
+        except OutsideVerifiedScopeError:
+            self.engine.shutdown()
+            raise
         self.requests = LLMRequests(self.engine)
+        record_switch_state("llm", self.engine.batch_invariant, self.engine.kernel_backend)
 
     async def enhance(self, prompt: str, params: LLMSamplingParams | Mapping[str, Any] | None = None) -> RevisedPrompt:
-        return await self.requests.enhance(prompt, params)
+        with timed_stage_call("llm", "enhance"):
+            return tokens_counted("enhance", await self.requests.enhance(prompt, params))
 
     async def chat(self, messages: list[Any], params: LLMSamplingParams | Mapping[str, Any] | None = None) -> Completion:
-        return await self.requests.chat(messages, params)
+        with timed_stage_call("llm", "chat"):
+            return tokens_counted("chat", await self.requests.chat(messages, params))
 
     async def describe(self) -> StageDescription:
         described = self.engine.describe()
         details = {**described.details, "rewrites": asdict(self.requests.stats)}
-        return described.model_copy(update={"replica": replica_id(), "details": details})
+        return described.model_copy(update={"replica": replica_id(), "details": details, **self.engine.scope.provenance()})
 
     def check_health(self) -> None:
         """Serve calls this every `health_check_period_s`: a dead engine core fails it, and Serve replaces the replica."""

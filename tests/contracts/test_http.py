@@ -82,7 +82,10 @@ BAD_IMAGE_REQUESTS = [
     ({"prompt": "x", "response_format": "png"}, "response_format"),
     ({"prompt": "x", "quality": "hd"}, "quality"),
     ({"prompt": "x", "style": "vivid"}, "style"),
-    ({"prompt": "x", "stream": True}, "stream"),
+    ({"prompt": "x", "stream": "true"}, "stream"),
+    ({"prompt": "x", "stream": True, "partial_images": 4}, "partial_images"),
+    ({"prompt": "x", "stream": True, "partial_images": -1}, "partial_images"),
+    ({"prompt": "x", "partial_images": 2}, "partial_images"),  # previews are streamed: stream=true needed
     ({"prompt": "x", "output_format": "jpeg"}, "output_format"),
     ({"prompt": "x", "enhance_prompt": "no"}, "enhance_prompt"),
     ({"prompt": "x", "enhance_prompt": 0}, "enhance_prompt"),

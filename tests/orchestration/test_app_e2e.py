@@ -61,12 +61,13 @@ def test_health_reports_switches_kernels_and_replica_counts(http):
 def test_models_lists_both_stages_in_openai_format(http):
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
-    assert {m["stage"]: m["id"] for m in models["data"]} == {"llm": "embedded:tiny-llama", "diffusion": "omniserve/tiny-sd-unet"}
+    assert {m["stage"]: m["id"] for m in models["data"]} == {"llm": "embedded:tiny-llama", "diffusion": "omniserve/tiny-shapes-sd"}
 
 
 def test_switches_appear_in_every_response_body_and_header(http):
     body = generate(http, prompt="a lighthouse", seed=5, enhance_prompt=False)
-    assert body["invariance"]["diffusion"] == {"batch_invariant": True, "kernel_backend": "cpu", "used": True}
+    assert body["invariance"]["diffusion"] == {"batch_invariant": True, "kernel_backend": "cpu", "used": True,
+                                               "verified": True, "scope_differences": []}
     assert body["invariance"]["llm"]["batch_invariant"] is True and body["invariance"]["llm"]["used"] is False
     refused = http.post("/v1/images/generations", json={"prompt": "x"})
     assert refused.headers["X-Omni-Batch-Invariant-Diffusion"] == "true"
@@ -114,6 +115,26 @@ def test_embedded_default_serves_64_and_128_pixel_images(http):
     import io
 
     assert Image.open(io.BytesIO(png(big["data"][0]))).size == (128, 128)
+
+
+def test_the_default_draws_the_prompt_and_the_rewrite_changes_what_it_draws(http):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from stages.embedded.shapes import Scene, drawn_area, drawn_as_said
+
+    prompt = "a red circle on a blue background"  # a triple the model never saw in training
+    plain = generate(http, prompt=prompt, seed=7, enhance_prompt=False, num_inference_steps=8)["data"][0]
+    assert plain["revised_prompt"] == prompt
+    enhanced = generate(http, prompt=prompt, seed=7, num_inference_steps=8)["data"][0]
+    size, position = enhanced["revised_prompt"].removeprefix(prompt + ", ").split(", ")  # the rewrite's own words
+    drawn, redrawn = (np.asarray(Image.open(io.BytesIO(png(item))).convert("RGB")) for item in (plain, enhanced))
+    assert drawn_as_said(drawn, Scene("circle", "red", "blue")) and drawn_as_said(redrawn, Scene("circle", "red", "blue"))
+    assert png(plain) != png(enhanced)
+    if size == "small":  # the size word shows; position words are not learned (README)
+        assert 2 * drawn_area(redrawn, "blue") < drawn_area(drawn, "blue"), enhanced["revised_prompt"]
 
 
 # --- the step engine behind HTTP ------------------------------------------------------------------
@@ -302,7 +323,7 @@ def test_openai_client_generates_images_and_chats_unchanged(server, http):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
     result = client.images.generate(
-        prompt="a red fox in the snow", model="omniserve/tiny-sd-unet", n=2, size="64x64", response_format="b64_json",
+        prompt="a red fox in the snow", model="omniserve/tiny-shapes-sd", n=2, size="64x64", response_format="b64_json",
         extra_body={"seed": 42, "num_inference_steps": STEPS},
     )
     assert [d.model_extra["seed"] for d in result.data] == seeds_for_request(42, 2)

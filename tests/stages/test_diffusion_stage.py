@@ -245,3 +245,24 @@ def test_diffusion_caller_seed_is_never_replaced(unet_invariant):
         seeds = [-(2**63), 0, 2**63, 2**64 - 1]
         results = list(pool.map(lambda s: generate(unet_invariant, "seed check", s), seeds))
     assert [r.seed for r in results] == seeds
+
+
+def test_a_stage_called_directly_writes_its_own_provenance_into_the_png(unet_invariant):
+    from contracts.provenance import read_record
+
+    result = generate(unet_invariant, "a red fox in the snow", 42)
+    record = read_record(result.png)
+    assert (record.prompt, record.revised_prompt, record.seed, record.enhance) == ("a red fox in the snow",) * 2 + (42, False)
+    assert record.params.num_inference_steps == 3 and (record.params.width, record.params.height) == (64, 64)
+    assert record.stages["diffusion"].model == result.model and record.stages["diffusion"].batch_invariant
+    assert list(record.stages) == ["diffusion"]
+
+
+def test_a_streamed_render_sends_its_previews_then_the_same_bytes(unet_invariant):
+    from contracts.results import PartialImage
+
+    params = {"seed": 42, **STEPS}
+    items = list(unet_invariant.options(stream=True).stream.remote("a red fox in the snow", params, partial_images=2))
+    assert [type(item) for item in items] == [PartialImage, PartialImage, RenderedImage]
+    assert [item.index for item in items[:2]] == [0, 1] and all(item.png.startswith(b"\x89PNG") for item in items[:2])
+    assert items[-1].png == generate(unet_invariant, "a red fox in the snow", 42).png

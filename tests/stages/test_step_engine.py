@@ -163,3 +163,10 @@ def test_the_engine_keeps_nothing_per_request_key(engine):
     engine.render(samples)
     assert engine.load()["waiting"] == 0 and engine.load()["active"] == 0
     assert not [name for name, value in vars(engine).items() if isinstance(value, dict) and value]
+
+
+def test_preview_steps_are_evenly_spaced_and_never_the_last_step():
+    from stages.engine.sample import preview_steps
+
+    assert preview_steps(8, 3) == (2, 4, 6) and preview_steps(4, 2) == (1, 3) and preview_steps(4, 0) == ()
+    assert preview_steps(2, 3) == (1,) and preview_steps(1, 2) == ()  # too few steps: fewer previews

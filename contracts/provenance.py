@@ -1,0 +1,189 @@
+"""Provenance inside the PNG: the text chunks that re-create an image, written and read back in one place.
+
+Every PNG the diffusion stage encodes carries three text chunks, before its pixel data:
+
+    omniserve   iTXt  the ImageRecord as canonical JSON (sorted keys, UTF-8): what `omniserve verify` reads
+    parameters  iTXt  the same, in the one-paragraph form the Stable Diffusion web UIs write (for those tools)
+    Software    tEXt  "omniserve <version>" (PNG's registered keyword)
+
+An ImageRecord holds what re-creates the image: the prompt as the client sent it, the revised prompt that was
+rendered, the image's own seed, every sampling parameter as rendered (the model's defaults filled in), the
+rewrite on/off and the LLM's sampling params, each stage's `Provenance` (every field of it, so one added there
+is written here too), and the project's version. Nothing that depends on how the image was batched or which
+replica rendered it (batch size, replica id, time) is in it: the same request gives the same bytes, chunks
+included, and the sha256 a response reports is of those bytes.
+
+Initial latents and an edit's input image are not copied in (they can be megabytes): their sha256 is.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from functools import cache
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .results import Provenance, RevisedPrompt
+from .sampling import DiffusionSamplingParams, LLMSamplingParams
+
+FORMAT = "omniserve.image/1"
+#: The chunks, by keyword.
+RECORD_CHUNK = "omniserve"
+PARAMETERS_CHUNK = "parameters"
+SOFTWARE_CHUNK = "Software"
+CHUNKS = (RECORD_CHUNK, PARAMETERS_CHUNK, SOFTWARE_CHUNK)
+
+
+class ProvenanceError(ValueError):
+    """A PNG without a readable, consistent omniserve record (not ours, or altered)."""
+
+
+@cache
+def project_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omniserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ImageOrigin(_Record):
+    """What the ingress knows of one image before the diffusion stage renders it: the client's prompt and its rewrite."""
+
+    prompt: str  # as the client sent it
+    enhance: bool
+    llm: Provenance | None = None  # the LLM stage that rewrote it (None: not rewritten)
+    llm_params: LLMSamplingParams | None = None  # what the rewrite ran with (its seed is the image's)
+
+    @classmethod
+    def of(cls, prompt: str, rewrite: RevisedPrompt | None) -> ImageOrigin:
+        """The origin of an image of `prompt`, rewritten by the LLM stage into `rewrite` (None: not rewritten)."""
+        if rewrite is None:
+            return cls(prompt=prompt, enhance=False)
+        llm = Provenance.model_validate(rewrite.model_dump(include=set(Provenance.model_fields)))
+        return cls(prompt=prompt, enhance=True, llm=llm, llm_params=rewrite.params)
+
+
+class ImageRecord(_Record):
+    """Everything that re-creates one PNG; written into it (`png_info`) and read back (`read_record`)."""
+
+    format: Literal["omniserve.image/1"] = FORMAT
+    version: str
+    prompt: str  # the client's prompt (what `prompt` of a request that reproduces it must be)
+    revised_prompt: str  # what the diffusion stage rendered (the prompt itself when not rewritten)
+    enhance: bool
+    seed: int
+    params: DiffusionSamplingParams  # as rendered; `latents` left out (see latents_sha256)
+    latents_sha256: str | None = None  # the initial latents a request gave, if any
+    image_sha256: str | None = None  # an edit's input image (None: text-to-image)
+    llm_params: LLMSamplingParams | None = None
+    stages: dict[str, Provenance]  # "diffusion" always; "llm" when it rewrote the prompt
+
+    @classmethod
+    def of(cls, prompt: str, params: DiffusionSamplingParams, diffusion: Provenance, origin: ImageOrigin | None,
+           image: bytes | None = None) -> ImageRecord:
+        """The record of an image the diffusion stage rendered from `prompt` with resolved `params`.
+
+        Without an origin (the stage called directly, not through the ingress) the prompt is its own origin."""
+        origin = origin or ImageOrigin(prompt=prompt, enhance=False)
+        stages = {"diffusion": diffusion, **({"llm": origin.llm} if origin.llm else {})}
+        latents = None if params.latents is None else _sha256(json.dumps(params.latents).encode())
+        return cls(version=project_version(), prompt=origin.prompt, revised_prompt=prompt, enhance=origin.enhance,
+                   seed=params.seed, params=params.model_copy(update={"latents": None}), latents_sha256=latents,
+                   image_sha256=None if image is None else _sha256(image), llm_params=origin.llm_params, stages=stages)
+
+    def canonical(self) -> str:
+        """The record as written: JSON with sorted keys, no spaces, UTF-8 as it is."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def parameters(self) -> str:
+        """The Stable Diffusion web UIs' form: prompt, negative prompt, then `Key: value` pairs."""
+        p = self.params
+        pairs = {"Steps": p.num_inference_steps, "Sampler": p.scheduler or "default", "CFG scale": p.guidance_scale,
+                 "Seed": self.seed, "Size": f"{p.width}x{p.height}", "Model": self.stages["diffusion"].model,
+                 "Denoising strength": p.strength, "Version": f"omniserve {self.version}"}
+        lines = [self.revised_prompt] + ([f"Negative prompt: {p.negative_prompt}"] if p.negative_prompt else [])
+        return "\n".join(lines + [", ".join(f"{k}: {v}" for k, v in pairs.items() if v is not None)])
+
+    def chunks(self) -> dict[str, str]:
+        """Each chunk's text, by keyword."""
+        return {RECORD_CHUNK: self.canonical(), PARAMETERS_CHUNK: self.parameters(), SOFTWARE_CHUNK: f"omniserve {self.version}"}
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def png_info(record: ImageRecord | None):
+    """PIL's PngInfo holding the record's chunks (uncompressed, in CHUNKS order: the same record, the same bytes)."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    if record is not None:
+        for keyword, text in record.chunks().items():
+            if keyword == SOFTWARE_CHUNK:
+                info.add_text(keyword, text)
+            else:
+                info.add_itxt(keyword, text)
+    return info
+
+
+def read_chunks(png: bytes) -> tuple[dict[str, str], tuple[int, int]]:
+    """The text chunks of a PNG and its (width, height); ProvenanceError when it is no PNG."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(png)) as picture:
+            if picture.format != "PNG":
+                raise ProvenanceError(f"not a PNG but {picture.format}")
+            return {key: str(value) for key, value in picture.text.items()}, picture.size
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as err:
+        raise ProvenanceError(f"not a readable PNG: {err}") from None
+
+
+def read_record(png: bytes) -> ImageRecord:
+    """The record in a PNG, checked against the file's other chunks and its size; ProvenanceError says what is wrong."""
+    chunks, (width, height) = read_chunks(png)
+    if RECORD_CHUNK not in chunks:
+        raise ProvenanceError(f"no {RECORD_CHUNK!r} chunk: not an omniserve image, or its provenance was removed")
+    try:
+        record = ImageRecord.model_validate_json(chunks[RECORD_CHUNK])
+    except ValidationError as err:
+        raise ProvenanceError(f"the {RECORD_CHUNK!r} chunk is not a valid record (altered?): {err.errors()[0]['msg']}") from None
+    problems = check(record, chunks, (width, height))
+    if problems:
+        raise ProvenanceError("the file's provenance is inconsistent (altered, or from another version?): " + "; ".join(problems))
+    return record
+
+
+def check(record: ImageRecord, chunks: dict[str, str], size: tuple[int, int]) -> list[str]:
+    """What in a file disagrees with its record: the derived chunks, the image's size, the record's own form (each
+    as this version writes it: a file of another version, or edited by hand, shows here)."""
+    problems = [f"the {keyword!r} chunk differs from what the record implies"
+                for keyword, text in record.chunks().items() if keyword != RECORD_CHUNK and chunks.get(keyword) != text]
+    if record.canonical() != chunks.get(RECORD_CHUNK):
+        problems.append(f"the {RECORD_CHUNK!r} chunk is not written as omniserve {project_version()} writes it")
+    if size != (record.params.width, record.params.height):
+        problems.append(f"the image is {size[0]}x{size[1]} but its record says {record.params.width}x{record.params.height}")
+    return problems
+
+
+def differences(expected: Any, found: Any, path: str = "") -> list[str]:
+    """Where two records (or their parts, as plain data) differ: ["stages.diffusion.batch_invariant: True != False"]."""
+    if isinstance(expected, BaseModel):
+        expected = expected.model_dump(mode="json")
+    if isinstance(found, BaseModel):
+        found = found.model_dump(mode="json")
+    if isinstance(expected, dict) and isinstance(found, dict):
+        return [line for key in sorted(set(expected) | set(found), key=str)
+                for line in differences(expected.get(key), found.get(key), f"{path}.{key}" if path else str(key))]
+    return [] if expected == found else [f"{path or 'value'}: {expected!r} != {found!r}"]

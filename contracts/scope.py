@@ -1,0 +1,191 @@
+"""The verified scope as data: what an audit measured, and whether a replica's configuration is inside it.
+
+An audit (`omniserve audit --record`) that saw its control vary and 0 differing elements with the kernels on
+writes one `ScopeRecord`: the `Configuration` it ran (everything that can change a kernel's arithmetic: model
+and weights, dtype, device and its ISA flags or compute capability, library versions, the kernels' source,
+thread count, the engine settings that matter) plus what it covered (batch sizes, image sizes, orderings).
+Records live in the repository (`SHIPPED_RECORDS`, for the configurations we ship) and in the user's cache
+(`user_records()`, for audits run on the user's own machine).
+
+A replica `match`es its own configuration at start-up: `verified` when a valid record has an equal
+configuration and covers its batch bound and (diffusion) its default size; else the nearest record's
+differences, e.g. "dtype bfloat16 not audited (audited float32)". A diffusion request for a size no record
+covers is outside the scope too: that image's provenance says `verified: false` with the reason.
+`strict` (config, or OMNISERVE_STRICT_SCOPE) turns "unverified" into a refusal to start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from . import envs
+
+logger = logging.getLogger(__name__)
+
+#: The records of the configurations this repository ships (committed).
+SHIPPED_RECORDS = Path(__file__).resolve().parent.parent / "docs" / "evidence" / "scope"
+STRICT_VARIABLE = "OMNISERVE_STRICT_SCOPE"
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Configuration(_Data):
+    """What a replica (or an audit's kernels-on run) is, as far as its arithmetic goes; equal or not."""
+
+    stage: Literal["llm", "diffusion"]
+    model: str
+    weights: str  # sha256 of the weight files' bytes ("unhashed:<id>" when they are not local files)
+    dtype: str
+    device: str  # "cpu", "cuda"
+    hardware: list[str]  # CPU: the ISA flags our kernels and ATen dispatch on; CUDA: compute capability
+    versions: dict[str, str | None]  # torch, and diffusers or vllm
+    kernels: str  # digest of the batch-invariant kernels' source
+    torch_threads: int
+    engine: dict[str, Any]  # LLM: engine arguments that change the arithmetic; diffusion: the batching mode
+
+
+class Coverage(_Data):
+    """What the audit varied around its target."""
+
+    batch_sizes: list[int]
+    sizes: list[str] = []  # diffusion: "WxH"
+    orderings: list[str]
+    steps: int | None = None  # diffusion; steps and guidance change values, never a kernel's shapes
+    detail: dict[str, Any] = {}  # LLM: targets, samplings, tokens generated
+
+
+class AuditResult(_Data):
+    control_runs: int
+    control_varied: bool  # kernels off, some co-batched run differed from solo: the audit can fail
+    invariant_runs: int
+    differing_with_kernels_on: int  # elements, over all kernels-on runs
+
+
+class ScopeRecord(_Data):
+    configuration: Configuration
+    coverage: Coverage
+    result: AuditResult
+    audited: dict[str, Any] = {}  # when, the command, the CPU's name: for readers, never matched
+
+    @property
+    def valid(self) -> bool:
+        """Only a record whose control varied and whose kernels-on runs all matched verifies anything."""
+        return self.result.control_varied and self.result.differing_with_kernels_on == 0
+
+    @property
+    def name(self) -> str:
+        """The file name: stage, model, dtype, threads, sizes, and a digest of configuration and coverage."""
+        c = self.configuration
+        blob = json.dumps([c.model_dump(mode="json"), self.coverage.sizes], sort_keys=True).encode()
+        slug = c.model.replace("/", "-").replace(":", "-")
+        sizes = "-" + "-".join(self.coverage.sizes) if self.coverage.sizes else ""
+        return f"{c.stage}-{slug}-{c.dtype}-{c.device}-t{c.torch_threads}{sizes}-{hashlib.sha256(blob).hexdigest()[:10]}.json"
+
+
+class Verdict(_Data):
+    verified: bool
+    differences: list[str] = []  # why not: the nearest record's differences (empty when verified)
+    record: str | None = None  # the covering record's name
+
+
+class OutsideVerifiedScopeError(RuntimeError):
+    """Strict mode: a replica with invariance on refuses to start outside the verified scope."""
+
+    def __init__(self, stage: str, differences: Sequence[str]):
+        self.stage, self.differences = stage, list(differences)
+        super().__init__(f"the {stage} stage is strict and its configuration is outside the verified scope: "
+                         + "; ".join(self.differences))
+
+    def __reduce__(self):
+        return (type(self), (self.stage, self.differences))
+
+
+def resolve_strict(override: bool | None, environ: Mapping[str, str] | None = None) -> bool:
+    """A stage's config `strict` wins; else OMNISERVE_STRICT_SCOPE; else off."""
+    if override is not None:
+        return override
+    return bool(envs.read(STRICT_VARIABLE, environ))
+
+
+def user_records() -> Path:
+    """Where `omniserve audit --record` writes by default: the user's cache."""
+    return envs.cache_root() / "scope"
+
+
+def load_records(directories: Iterable[Path] | None = None) -> list[ScopeRecord]:
+    """Every readable record in `directories` (default: shipped, then the user's); unreadable ones are logged."""
+    records = []
+    for directory in directories if directories is not None else (SHIPPED_RECORDS, user_records()):
+        for path in sorted(Path(directory).glob("*.json")) if Path(directory).is_dir() else ():
+            try:
+                records.append(ScopeRecord.model_validate_json(path.read_text()))
+            except (OSError, ValidationError, ValueError) as err:
+                logger.warning("ignoring scope record %s: %s", path, err)
+    return records
+
+
+def write_record(record: ScopeRecord, directory: Path) -> Path:
+    if not record.valid:
+        raise ValueError("a record whose control did not vary, or whose kernels-on runs differed, verifies nothing")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / record.name
+    path.write_text(json.dumps(record.model_dump(mode="json"), indent=1, sort_keys=True) + "\n")
+    return path
+
+
+_LABELS = {"model": "model", "weights": "weights", "dtype": "dtype", "device": "device", "hardware": "hardware",
+           "kernels": "kernels source", "torch_threads": "thread count"}
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    text = str(value)
+    return text[:12] if len(text) == 64 else text  # a sha256: its prefix says enough
+
+
+def differences(mine: Configuration, record: ScopeRecord, *, batch_size: int, size: str | None) -> list[str]:
+    """What in `mine` (and the batch bound, the size) the record does not cover; empty: it covers them."""
+    theirs, found = record.configuration, []
+    if mine.stage != theirs.stage:
+        return [f"stage {mine.stage} not audited"]
+    for field, label in _LABELS.items():
+        a, b = getattr(mine, field), getattr(theirs, field)
+        if a != b:
+            found.append(f"{label} {_short(a)} not audited (audited {_short(b)})")
+    for group, label in (("versions", ""), ("engine", "engine setting ")):
+        a, b = getattr(mine, group), getattr(theirs, group)
+        for key in sorted(a.keys() | b.keys()):
+            if a.get(key) != b.get(key):
+                found.append(f"{label}{key} {a.get(key)} not audited (audited {b.get(key)})")
+    covered = set(record.coverage.batch_sizes)
+    if not set(range(1, batch_size + 1)) <= covered:
+        found.append(f"batch sizes up to {batch_size} not audited (audited {_short(sorted(covered))})")
+    if size is not None and size not in record.coverage.sizes:
+        found.append(f"size {size} not audited (audited {_short(record.coverage.sizes)})")
+    if not record.valid:
+        found.append("the record's control did not vary or its kernels-on runs differed")
+    return found
+
+
+def match(configuration: Configuration, records: Sequence[ScopeRecord], *, batch_size: int,
+          size: str | None = None) -> Verdict:
+    """Verified when a record covers `configuration` at batch sizes 1..`batch_size` (and `size`); else the
+    nearest record's differences (the fewest)."""
+    candidates = [(differences(configuration, r, batch_size=batch_size, size=size), r) for r in records
+                  if r.configuration.stage == configuration.stage]
+    if not candidates:
+        return Verdict(verified=False, differences=[f"no audit record for the {configuration.stage} stage"])
+    found, nearest = min(candidates, key=lambda pair: len(pair[0]))
+    if not found:
+        return Verdict(verified=True, record=nearest.name)
+    return Verdict(verified=False, differences=found, record=None)

@@ -1,0 +1,146 @@
+"""A replica's (or an audit's) own `Configuration`, and its verdict against the audit records (contracts/scope.py).
+
+The audit and the replicas describe themselves with the same functions, so a record written by an audit on
+this machine matches a replica started with the same configuration here, and nothing else.
+
+    diffusion_configuration(renderer, batching)   from a loaded DiffusionRenderer
+    llm_configuration(engine)                     from a started LLMEngine (its workers report their threads)
+    ReplicaScope                                  the verdict at start-up (strict: refuse), and per image size
+    diffusion_scope, llm_scope                    a replica's, from its renderer or started engine
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+from pathlib import Path
+
+from contracts.errors import InvalidRequestError
+from contracts.scope import Configuration, OutsideVerifiedScopeError, Verdict, load_records, match, resolve_strict
+
+#: CPU features that change which code the kernels and ATen/oneDNN run (Linux /proc/cpuinfo names).
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+                "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+#: vLLM engine arguments that change a request's arithmetic or its batch (the rest: memory, logging, ports).
+LLM_ENGINE_SETTINGS = ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "block_size",
+                       "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                       "quantization", "kv_cache_dtype", "distributed_executor_backend")
+INVARIANCE_OFF = "batch invariance is off: nothing to verify"
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def hardware(device: str) -> list[str]:
+    """CUDA: the compute capability and name; CPU: ATen's dispatch level and the features in CPU_FEATURES."""
+    import torch
+
+    if device.startswith("cuda"):
+        major, minor = torch.cuda.get_device_capability()
+        return [f"sm_{major}{minor}", torch.cuda.get_device_name()]
+    from stages.kernels.native import cpu_flags
+
+    return [f"aten:{torch.backends.cpu.get_cpu_capability()}", *sorted(set(CPU_FEATURES) & cpu_flags())]
+
+
+def kernels_digest() -> str:
+    from stages.kernels.native import SOURCE
+
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def weights_digest(location: str | None) -> str:
+    """sha256 over the weight files under a model directory (relative path and bytes, sorted by path)."""
+    directory = Path(location) if location else None
+    if directory is None or not directory.is_dir():
+        return f"unhashed:{location}"  # a hub id: the files are not ours to read here
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt")):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0")
+        with path.open("rb") as weights:
+            while chunk := weights.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def diffusion_configuration(renderer, batching: str) -> Configuration:
+    """`batching`: "step" (the step engine; the audit's engine path) or "request" (the pipeline path)."""
+    import torch
+
+    return Configuration(
+        stage="diffusion", model=renderer.model, weights=weights_digest(renderer.pipe.name_or_path),
+        dtype=renderer.config.dtype, device=renderer.device, hardware=hardware(renderer.device),
+        versions={"torch": torch.__version__, "diffusers": _version("diffusers")}, kernels=kernels_digest(),
+        torch_threads=renderer.torch_threads or torch.get_num_threads(), engine={"batching": batching},
+    )
+
+
+def llm_configuration(engine) -> Configuration:
+    """A started engine's: the threads its vLLM workers really run with, the engine settings that matter."""
+    import torch
+
+    threads = sorted({report["torch_threads"] for report in engine.worker_reports}) or [0]
+    settings = {k: engine.settings.args[k] for k in LLM_ENGINE_SETTINGS if k in engine.settings.args}
+    if engine.device == "cpu" and engine.worker_reports:
+        settings["VLLM_CPU_ATTN_SPLIT_KV"] = engine.worker_reports[0].get("attention_split_kv")
+    return Configuration(
+        stage="llm", model=engine.model.name, weights=weights_digest(engine.model.path),
+        dtype=str(engine.settings.args["dtype"]), device=engine.device, hardware=hardware(engine.device),
+        versions={"torch": torch.__version__, "vllm": _version("vllm-cpu") or _version("vllm")},
+        kernels=kernels_digest(), torch_threads=threads[-1], engine=settings,
+    )
+
+
+class ReplicaScope:
+    """A replica's verdict, decided once at start-up from the records (repository + user cache)."""
+
+    def __init__(self, configuration: Configuration, *, batch_invariant: bool, batch_size: int,
+                 size: str | None = None, strict: bool = False, records=None):
+        self.configuration, self.batch_invariant, self.batch_size = configuration, batch_invariant, batch_size
+        self.strict = strict and batch_invariant
+        self.records = load_records() if records is None else records
+        self.verdict = self._match(size) if batch_invariant else Verdict(verified=False, differences=[INVARIANCE_OFF])
+        self._sizes: dict[str, Verdict] = {} if size is None else {size: self.verdict}
+        if self.strict and not self.verdict.verified:
+            raise OutsideVerifiedScopeError(configuration.stage, self.verdict.differences)
+
+    def _match(self, size: str | None) -> Verdict:
+        return match(self.configuration, self.records, batch_size=self.batch_size, size=size)
+
+    def for_size(self, width: int, height: int) -> Verdict:
+        """An image's verdict: its size must be audited too (the replica's own verdict covers its default size)."""
+        if not self.batch_invariant:
+            return self.verdict
+        size = f"{width}x{height}"
+        if size not in self._sizes:
+            self._sizes[size] = self._match(size)
+        return self._sizes[size]
+
+    def admit(self, width: int, height: int) -> None:
+        """Strict mode serves only audited sizes: another is refused (a 400 naming `size`), not rendered unverified."""
+        verdict = self.for_size(width, height)
+        if self.strict and not verdict.verified:
+            raise InvalidRequestError(f"this server is strict and {width}x{height} is outside its verified scope: "
+                                      + "; ".join(verdict.differences), param="size", code="outside_verified_scope")
+
+    def provenance(self, verdict: Verdict | None = None) -> dict:
+        """The Provenance fields of a result."""
+        verdict = verdict or self.verdict
+        return {"verified": verdict.verified, "scope_differences": list(verdict.differences)}
+
+
+def diffusion_scope(renderer, config, batching: str) -> ReplicaScope:
+    """A diffusion replica's scope: its batch bound and its default size must be audited."""
+    size = f"{renderer.defaults['width']}x{renderer.defaults['height']}"
+    return ReplicaScope(diffusion_configuration(renderer, batching), batch_invariant=bool(config.batch_invariant),
+                        batch_size=config.max_batch_size, size=size, strict=resolve_strict(config.strict))
+
+
+def llm_scope(engine) -> ReplicaScope:
+    """An LLM replica's scope: its engine's batch (`max_num_seqs`) must be audited."""
+    return ReplicaScope(llm_configuration(engine), batch_invariant=engine.batch_invariant,
+                        batch_size=engine.config.max_num_seqs, strict=resolve_strict(engine.config.strict))

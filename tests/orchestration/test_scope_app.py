@@ -1,0 +1,64 @@
+"""The verified scope over HTTP, on the package's app (both switches on, the default models, dtype and threads):
+/health per stage and replica, and each response's `invariance.<stage>.verified`."""
+
+import base64
+
+import pytest
+
+from contracts.provenance import read_record
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_health_reports_both_stages_and_every_replica_verified(http):
+    health = http.get("/health").json()
+    for stage in ("llm", "diffusion"):
+        report = health["stages"][stage]
+        assert report["verified"] is True, report
+        assert report["scope"] and all(v["verified"] and v["differences"] == [] for v in report["scope"].values())
+
+
+def test_a_rewritten_image_says_both_stages_verified_and_one_beyond_the_audited_sizes_says_why_not(http):
+    body = http.post("/v1/images/generations", json={"prompt": "a lighthouse", "seed": 5, "size": "64x64"}).json()
+    assert body["invariance"]["llm"]["verified"] is True and body["invariance"]["diffusion"]["verified"] is True
+
+    big = http.post("/v1/images/generations", json={"prompt": "a lighthouse", "seed": 5, "size": "512x512",
+                                                    "enhance_prompt": False, "num_inference_steps": 1})
+    assert big.status_code == 200, big.text
+    diffusion = big.json()["invariance"]["diffusion"]
+    reason = "size 512x512 not audited"
+    assert diffusion["verified"] is False and any(d.startswith(reason) for d in diffusion["scope_differences"])
+    written = read_record(base64.b64decode(big.json()["data"][0]["b64_json"])).stages["diffusion"]
+    assert written.verified is False and any(d.startswith(reason) for d in written.scope_differences)
+
+
+#: Strict, and serving 512x512 by default: outside the verified scope (the LLM scaled to zero: never started).
+STRICT_APP = {
+    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.1},
+            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}},
+    "diffusion": {"batch_invariant": True, "strict": True, "defaults": {"height": 512, "width": 512}, "warm_up": False,
+                  "ray_actor_options": {"num_cpus": 0.2}},
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+}
+
+
+@pytest.fixture
+def strict_app(server):
+    """The route of STRICT_APP, whose deployment failed (its diffusion replicas refused to start)."""
+    from ray import serve
+
+    from orchestration import build_app
+
+    with pytest.raises(RuntimeError, match="DiffusionStage"):
+        serve.run(build_app(STRICT_APP), name="strict-scope", route_prefix="/strict-scope")
+    yield "/strict-scope"
+    serve.delete("strict-scope")
+
+
+def test_a_strict_app_whose_diffusion_stage_is_outside_the_verified_scope_refuses_to_start_and_says_why(http, strict_app):
+    response = http.get(f"{strict_app}/health")
+    assert response.status_code == 503, response.text
+    diffusion = response.json()["stages"]["diffusion"]
+    assert diffusion["state"] == "down" and diffusion["replicas"]["status"] == "DEPLOY_FAILED"
+    assert "outside the verified scope" in diffusion["reasons"][0], diffusion["reasons"]
+    assert "size 512x512 not audited" in diffusion["reasons"][0], diffusion["reasons"]

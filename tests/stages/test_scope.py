@@ -1,0 +1,185 @@
+"""Each replica's verified scope (stages/scope.py) and `omniserve audit --record` (stages/audit/record.py).
+
+Diffusion replicas are constructed in-process (the Serve class itself, no Ray); the LLM's in a process of its
+own (vLLM spawns processes and edits the environment of the one that starts it). Records are read from the
+repository (docs/evidence/scope) and from a temporary user cache.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import contracts.scope
+from contracts.config import DiffusionStageConfig
+from contracts.errors import InvalidRequestError
+from contracts.provenance import read_record
+from contracts.scope import OutsideVerifiedScopeError, load_records
+from orchestration.cli import main
+from stages.audit.record import build_record
+from stages.diffusion import DiffusionStage
+from stages.embedded import DEFAULT_MODELS
+from stages.kernels import disable_batch_invariant_kernels
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def user_records(tmp_path, monkeypatch):
+    """The user's records: a fresh directory (the shipped ones stay)."""
+    directory = tmp_path / "scope"
+    monkeypatch.setattr(contracts.scope, "user_records", lambda: directory)
+    return directory
+
+
+@contextmanager
+def replica(**config):
+    stage = DiffusionStage.func_or_class(DiffusionStageConfig(**{"batch_invariant": True, "warm_up": False, **config}))
+    try:
+        yield stage
+    finally:
+        if stage.batching.mode == "step":
+            stage.batching.engine.stop()
+        disable_batch_invariant_kernels()
+
+
+def described(stage):
+    import asyncio
+
+    return asyncio.run(stage.describe())
+
+
+def generate(stage, size: int, steps: int = 1):
+    import asyncio
+
+    return asyncio.run(stage.generate("a red fox", {"seed": 3, "height": size, "width": size, "num_inference_steps": steps}))
+
+
+def test_with_the_defaults_the_diffusion_replica_and_its_images_are_verified_by_the_shipped_records():
+    with replica() as stage:
+        description = described(stage)
+        assert description.verified and description.scope_differences == [], description.scope_differences
+        image = generate(stage, 64)
+    assert image.verified and read_record(image.png).stages["diffusion"].verified
+
+
+def test_an_image_beyond_the_audited_sizes_is_unverified_in_its_provenance_while_the_replica_stays_verified():
+    with replica() as stage:
+        image = generate(stage, 512)
+        assert described(stage).verified
+    reason = "size 512x512 not audited"
+    assert not image.verified and any(d.startswith(reason) for d in image.scope_differences)
+    written = read_record(image.png).stages["diffusion"]
+    assert not written.verified and any(d.startswith(reason) for d in written.scope_differences)
+
+
+def test_a_replica_serving_512x512_by_default_is_unverified_and_strict_mode_refuses_to_start_it(monkeypatch):
+    big = {"defaults": {"height": 512, "width": 512}}
+    with replica(**big) as stage:
+        description = described(stage)
+    assert not description.verified and any(d.startswith("size 512x512 not audited") for d in description.scope_differences)
+    with pytest.raises(OutsideVerifiedScopeError, match="size 512x512 not audited"):
+        replica(strict=True, **big).__enter__()
+    monkeypatch.setenv("OMNISERVE_STRICT_SCOPE", "1")  # the environment's strict mode, for a config that says null
+    with pytest.raises(OutsideVerifiedScopeError, match="size 512x512 not audited"):
+        replica(**big).__enter__()
+    disable_batch_invariant_kernels()
+
+
+def test_a_strict_replica_refuses_an_unaudited_size_naming_the_field_and_serves_the_audited_one():
+    with replica(strict=True) as stage:
+        with pytest.raises(InvalidRequestError, match="outside its verified scope") as refused:
+            generate(stage, 512)
+        assert refused.value.param == "size" and refused.value.code == "outside_verified_scope"
+        assert generate(stage, 64).verified
+
+
+def test_with_invariance_off_there_is_nothing_to_verify_and_strict_mode_does_not_refuse():
+    with replica(batch_invariant=False, strict=True) as stage:
+        description = described(stage)
+    assert not description.verified and description.scope_differences == ["batch invariance is off: nothing to verify"]
+
+
+#: A random-weight pipeline (the audits' wider test): its stock kernels vary with the batch at batch size 2 here.
+RANDOM_UNET = "omniserve/tiny-sd-unet"
+
+
+def audit(*options: str) -> int:
+    return main(["audit", "--stage", "diffusion", "--model", RANDOM_UNET, "--steps", "2", *options])
+
+
+def test_audit_record_grows_the_scope_to_a_new_thread_count_and_the_next_replica_is_verified(user_records):
+    new = {"model": RANDOM_UNET, "torch_threads": 2, "max_batch_size": 2}
+    with replica(**new) as stage:
+        before = described(stage)
+    assert not before.verified and "thread count 2 not audited (audited 1)" in before.scope_differences
+
+    assert audit("--torch-threads", "2", "--batch-sizes", "1,2", "--record") == 0
+    (written,) = user_records.iterdir()
+    record = json.loads(written.read_text())
+    assert record["configuration"]["torch_threads"] == 2 and record["coverage"]["batch_sizes"] == [1, 2]
+    assert record["result"]["control_varied"] and record["result"]["differing_with_kernels_on"] == 0
+
+    with replica(**new) as stage:
+        after = described(stage)
+    assert after.verified and after.scope_differences == []
+
+
+def test_a_record_whose_control_cannot_vary_is_never_written(user_records, tmp_path):
+    # Batch size 1 only: solo against solo, the control cannot vary, so the audit proves nothing.
+    assert audit("--torch-threads", "2", "--batch-sizes", "1", "--record", str(tmp_path / "shipped")) == 1
+    assert not (tmp_path / "shipped").exists() and not user_records.exists()
+    # Nor from a report whose control ran at batch sizes > 1 without a difference.
+    report = {"runs": [{"model": "m", "kernels": k, "batch_size": 2, "ordering": "first", "differing_elements": 0}
+                       for k in ("off", "on")]}
+    record, why = build_record(report, {"model": "m", "configuration": {}, "coverage": {}})
+    assert record is None and "control never varied" in why
+
+
+def test_the_shipped_records_are_valid_and_cover_each_stage_default():
+    records = load_records([contracts.scope.SHIPPED_RECORDS])
+    assert records and all(r.valid for r in records)
+    assert {r.configuration.model for r in records} >= {DEFAULT_MODELS["diffusion"], DEFAULT_MODELS["llm"]}
+
+
+LLM_SCRIPT = """
+import asyncio, json
+from contracts.config import LLMStageConfig
+from contracts.scope import OutsideVerifiedScopeError
+from stages.llm import LLMStage
+from stages.scope import llm_scope
+
+async def start():
+    stage = LLMStage.func_or_class.__new__(LLMStage.func_or_class)
+    await stage.__init__(LLMStageConfig(dtype="bfloat16", batch_invariant=True))
+    try:
+        out = {"describe": (await stage.describe()).model_dump(include={"verified", "scope_differences"})}
+        stage.engine.config = stage.engine.config.model_copy(update={"strict": True})
+        try:
+            llm_scope(stage.engine)  # what a strict stage runs at start-up, on this configuration
+        except OutsideVerifiedScopeError as err:
+            out["strict"] = str(err)
+        print("RESULT " + json.dumps(out))
+    finally:
+        stage.engine.shutdown()
+
+if __name__ == "__main__":
+    asyncio.run(start())
+"""
+
+
+def test_the_llm_in_bfloat16_is_unverified_with_the_reason_and_strict_mode_refuses_it(tmp_path):
+    script = tmp_path / "llm_scope.py"
+    script.write_text(LLM_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    reason = "dtype bfloat16 not audited (audited float32)"
+    assert result["describe"]["verified"] is False and reason in result["describe"]["scope_differences"]
+    assert "llm stage is strict" in result["strict"] and reason in result["strict"]
