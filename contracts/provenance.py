@@ -8,10 +8,10 @@ Every PNG the diffusion stage encodes carries three text chunks, before its pixe
 
 An ImageRecord holds what re-creates the image: the prompt as the client sent it, the revised prompt that was
 rendered, the image's own seed, every sampling parameter as rendered (the model's defaults filled in), the
-rewrite on/off and the LLM's sampling params, each stage's `Provenance` (every field of it, so one added there
-is written here too), and the project's version. Nothing that depends on how the image was batched or which
-replica rendered it (batch size, replica id, time) is in it: the same request gives the same bytes, chunks
-included, and the sha256 a response reports is of those bytes.
+rewrite on/off and the LLM's sampling params, each stage's model, switch and kernel backend (`StageRecord`), and
+the project's version. Nothing that depends on how the image was batched or which replica rendered it (batch size,
+replica id, time) is in it, nor the verified-scope verdict (see `ASSESSMENT`): the same request gives the same
+bytes, chunks included, and the sha256 a response reports is of those bytes.
 
 Initial latents and an edit's input image are not copied in (they can be megabytes): their sha256 is.
 """
@@ -54,6 +54,26 @@ class _Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+#: The `Provenance` fields a PNG leaves out: the verified-scope verdict (contracts/scope.py) is an assessment of a
+#: replica's configuration against the audit records it finds, which can change (a record added, a replica of another
+#: mode or machine) while the pixels do not. In the bytes it made the same request give other bytes: measured, a
+#: request-batching and a step-batching replica rendered the same pixels, and 12 of 12 PNGs differed in that field
+#: only. Responses and /health carry the verdict.
+ASSESSMENT = frozenset({"verified", "scope_differences"})
+
+
+class StageRecord(_Record):
+    """What a PNG records of a stage: every `Provenance` field but the verdict (a test keeps the two in step)."""
+
+    model: str
+    batch_invariant: bool
+    kernel_backend: str
+
+    @classmethod
+    def of(cls, provenance: Provenance) -> StageRecord:
+        return cls.model_validate(provenance.model_dump(exclude=ASSESSMENT))
+
+
 class ImageOrigin(_Record):
     """What the ingress knows of one image before the diffusion stage renders it: the client's prompt and its rewrite."""
 
@@ -84,7 +104,7 @@ class ImageRecord(_Record):
     latents_sha256: str | None = None  # the initial latents a request gave, if any
     image_sha256: str | None = None  # an edit's input image (None: text-to-image)
     llm_params: LLMSamplingParams | None = None
-    stages: dict[str, Provenance]  # "diffusion" always; "llm" when it rewrote the prompt
+    stages: dict[str, StageRecord]  # "diffusion" always; "llm" when it rewrote the prompt
 
     @classmethod
     def of(cls, prompt: str, params: DiffusionSamplingParams, diffusion: Provenance, origin: ImageOrigin | None,
@@ -93,7 +113,7 @@ class ImageRecord(_Record):
 
         Without an origin (the stage called directly, not through the ingress) the prompt is its own origin."""
         origin = origin or ImageOrigin(prompt=prompt, enhance=False)
-        stages = {"diffusion": diffusion, **({"llm": origin.llm} if origin.llm else {})}
+        stages = {"diffusion": StageRecord.of(diffusion), **({"llm": StageRecord.of(origin.llm)} if origin.llm else {})}
         latents = None if params.latents is None else _sha256(json.dumps(params.latents).encode())
         return cls(version=project_version(), prompt=origin.prompt, revised_prompt=prompt, enhance=origin.enhance,
                    seed=params.seed, params=params.model_copy(update={"latents": None}), latents_sha256=latents,

@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from contracts.provenance import ImageRecord, ProvenanceError, differences, read_record
+from contracts.provenance import ImageRecord, ProvenanceError, StageRecord, differences, read_record
 
 #: Seconds a request may take (a cold app builds its models on the first request).
 TIMEOUT_S = 600.0
-#: The stage fields /health and a record share, compared before re-rendering.
-COMPARED = ("model", "batch_invariant", "kernel_backend", "verified")
+#: The stage fields /health and a record share, compared before re-rendering (model, switch, kernel backend).
+COMPARED = tuple(StageRecord.model_fields)
 
 
 class ServerError(Exception):

@@ -8,11 +8,13 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from contracts.provenance import (
+    ASSESSMENT,
     CHUNKS,
     RECORD_CHUNK,
     ImageOrigin,
     ImageRecord,
     ProvenanceError,
+    StageRecord,
     differences,
     png_info,
     project_version,
@@ -57,7 +59,7 @@ def test_a_record_round_trips_through_the_png_chunks():
     assert back == record
     assert (back.prompt, back.revised_prompt, back.seed, back.enhance) == ("a fox", "a fox, snow", 7, True)
     assert back.params == PARAMS and back.llm_params == REWRITE.params and back.version == project_version()
-    assert back.stages["llm"].model == "omniserve/tiny-llm" and back.stages["diffusion"] == DIFFUSION
+    assert back.stages["llm"].model == "omniserve/tiny-llm" and back.stages["diffusion"] == StageRecord.of(DIFFUSION)
 
 
 def test_the_same_record_gives_the_same_bytes_and_another_seed_other_bytes():
@@ -66,10 +68,19 @@ def test_the_same_record_gives_the_same_bytes_and_another_seed_other_bytes():
     assert png(record) != png(record.model_copy(update={"seed": 8}))
 
 
-def test_every_provenance_field_is_written_whatever_fields_it_has():
+def test_every_provenance_field_but_the_scope_verdict_is_written():
+    # A field added to Provenance must be decided on here: written (StageRecord) or left out (ASSESSMENT).
+    assert set(StageRecord.model_fields) == set(Provenance.model_fields) - ASSESSMENT
     record = ImageRecord.of("a fox", PARAMS, DIFFUSION, None)
     written = read_record(png(record)).stages["diffusion"]
-    assert written.model_dump() == DIFFUSION.model_dump() and set(written.model_dump()) == set(Provenance.model_fields)
+    assert written.model_dump() == DIFFUSION.model_dump(exclude=ASSESSMENT)
+
+
+def test_the_scope_verdict_never_changes_the_bytes():
+    # Verified here, unverified on a replica that found no record: the same pixels must give the same PNG.
+    unverified = DIFFUSION.model_copy(update={"verified": False, "scope_differences": ["thread count 4 not audited"]})
+    verified = DIFFUSION.model_copy(update={"verified": True, "scope_differences": []})
+    assert png(ImageRecord.of("a fox", PARAMS, verified, None)) == png(ImageRecord.of("a fox", PARAMS, unverified, None))
 
 
 def test_a_stage_called_directly_records_its_prompt_as_the_origin():
