@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -43,19 +44,28 @@ class LLMStage:
             self.engine.shutdown()
             raise
         self.requests = LLMRequests(self.engine)
+        self.in_flight = 0  # calls being served now (describe(): operators, and fault tests that kill a busy replica)
         record_switch_state("llm", self.engine.batch_invariant, self.engine.kernel_backend)
 
     async def enhance(self, prompt: str, params: LLMSamplingParams | Mapping[str, Any] | None = None) -> RevisedPrompt:
-        with timed_stage_call("llm", "enhance"):
+        with self._serving(), timed_stage_call("llm", "enhance"):
             return tokens_counted("enhance", await self.requests.enhance(prompt, params))
 
     async def chat(self, messages: list[Any], params: LLMSamplingParams | Mapping[str, Any] | None = None) -> Completion:
-        with timed_stage_call("llm", "chat"):
+        with self._serving(), timed_stage_call("llm", "chat"):
             return tokens_counted("chat", await self.requests.chat(messages, params))
+
+    @contextmanager
+    def _serving(self):
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     async def describe(self) -> StageDescription:
         described = self.engine.describe()
-        details = {**described.details, "rewrites": asdict(self.requests.stats)}
+        details = {**described.details, "rewrites": asdict(self.requests.stats), "in_flight": self.in_flight}
         return described.model_copy(update={"replica": replica_id(), "details": details, **self.engine.scope.provenance()})
 
     def check_health(self) -> None:

@@ -91,6 +91,20 @@ def replica_pids() -> set[int]:
     return {handle.describe.remote().result(timeout_s=60).details["pid"] for _ in range(12)}
 
 
+def kill_when_busy(victim: int, killed_at: list[float], timeout_s: float = 30) -> None:
+    """SIGKILL `victim` once it reports calls in flight (bounded wait): killed idle, no call would need a retry."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMStage", app_name=NAME)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        details = handle.describe.remote().result(timeout_s=60).details
+        if details["pid"] == victim and details["in_flight"] > 0:
+            break
+    os.kill(victim, signal.SIGKILL)
+    killed_at.append(time.monotonic())
+
+
 def engine_core(replica_pid: int) -> psutil.Process:
     """vLLM's engine core: the replica's child process titled VLLM::EngineCore."""
     cores = [child for child in psutil.Process(replica_pid).children(recursive=True)
@@ -132,7 +146,7 @@ def test_killing_one_of_two_llm_replicas_under_load_loses_no_request_and_changes
     victim, survivor = sorted(pids)
     children = psutil.Process(victim).children(recursive=True)
     killed_at = []
-    under_fault = asyncio.run(load(app, fault=lambda: (os.kill(victim, signal.SIGKILL), killed_at.append(time.monotonic()))))
+    under_fault = asyncio.run(load(app, fault=lambda: kill_when_busy(victim, killed_at)))
     failed = [(i, r.status_code, r.text[:200]) for i, r in enumerate(under_fault) if r.status_code != 200]
     assert not failed, failed
     assert [fingerprint(r) for r in under_fault] == reference
