@@ -3,9 +3,10 @@
     .venv/bin/python scripts/train_shapes.py            # train (seeded), evaluate, replace the committed model
     .venv/bin/python scripts/train_shapes.py --check    # train aside and compare with the committed model
 
-Training runs on one CPU thread (the same bits on any machine with the same library versions and CPU kind): 683-689 s
-of CPU measured. The model directory gets `training.json`: the plan, the losses, the time it took,
-the library versions, the weights' fingerprint and the semantic hit rates (stages.embedded.shapes_training).
+Training runs on two CPU threads (TrainingPlan.threads: the same bits on any machine with the same library versions,
+CPU kind and thread count): 499 s wall on this project's 2-core machine. The model directory gets `training.json`:
+the plan, the losses, the time it took, the library versions, the weights' fingerprint and the semantic hit rates
+(stages.embedded.shapes_training).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def test_the_default_draws_the_prompt_and_the_rewrite_changes_what_it_draws(http
     import numpy as np
     from PIL import Image
 
-    from stages.embedded.shapes import Scene, drawn_area, drawn_as_said
+    from stages.embedded.shapes import CENTRE, Scene, centroid, drawn_area, drawn_as_said
 
     prompt = "a red circle on a blue background"  # a triple the model never saw in training
     plain = generate(http, prompt=prompt, seed=7, enhance_prompt=False, num_inference_steps=8)["data"][0]
@@ -133,8 +133,10 @@ def test_the_default_draws_the_prompt_and_the_rewrite_changes_what_it_draws(http
     drawn, redrawn = (np.asarray(Image.open(io.BytesIO(png(item))).convert("RGB")) for item in (plain, enhanced))
     assert drawn_as_said(drawn, Scene("circle", "red", "blue")) and drawn_as_said(redrawn, Scene("circle", "red", "blue"))
     assert png(plain) != png(enhanced)
-    if size == "small":  # the size word shows; position words are not learned (README)
+    if size == "small":  # both rewrite words show: the size ...
         assert 2 * drawn_area(redrawn, "blue") < drawn_area(drawn, "blue"), enhanced["revised_prompt"]
+    x, y = centroid(redrawn, "blue")  # ... and the position: the shape is nearest where its word puts it
+    assert min(CENTRE, key=lambda word: (CENTRE[word][0] - x) ** 2 + (CENTRE[word][1] - y) ** 2) == position, (x, y)
 
 
 # --- the step engine behind HTTP ------------------------------------------------------------------
