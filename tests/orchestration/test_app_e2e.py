@@ -139,6 +139,38 @@ def test_the_default_draws_the_prompt_and_the_rewrite_changes_what_it_draws(http
     assert min(CENTRE, key=lambda word: (CENTRE[word][0] - x) ** 2 + (CENTRE[word][1] - y) ** 2) == position, (x, y)
 
 
+def test_the_served_default_draws_a_red_circle_on_a_blue_background_where_it_is_said(http):
+    """Issue 15's check through the app at its embedded defaults (8 steps, as `make serve` renders): the prompt as
+    written (enhance_prompt false) is red in the middle and blue in the corners for at least 8 of 10 seeds; the
+    default rewrite adds a size and a position, and the circle goes where the revised prompt puts it."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from stages.embedded.shapes import CENTRE, centroid, colour_share
+
+    prompt, seeds = "a red circle on a blue background", range(10)
+    middle, corners = np.zeros((64, 64), bool), np.zeros((64, 64), bool)
+    middle[24:40, 24:40] = True
+    corners[:8, :8] = corners[:8, -8:] = corners[-8:, :8] = corners[-8:, -8:] = True
+
+    def drawn(enhance: bool) -> list[tuple[str, np.ndarray]]:
+        items = [generate(http, prompt=prompt, seed=seed, size="64x64", num_inference_steps=8, enhance_prompt=enhance)["data"][0]
+                 for seed in seeds]
+        return [(item["revised_prompt"], np.asarray(Image.open(io.BytesIO(png(item))).convert("RGB"))) for item in items]
+
+    as_written = [colour_share(image, middle, "red") > 0.5 and colour_share(image, corners, "blue") > 0.5
+                  for _, image in drawn(False)]
+    assert sum(as_written) >= 8, as_written
+    placed = []
+    for revised, image in drawn(True):
+        x, y = centroid(image, "blue")
+        nearest = min(CENTRE, key=lambda word: (CENTRE[word][0] - x) ** 2 + (CENTRE[word][1] - y) ** 2)
+        placed.append(revised.endswith(f", {nearest}") and colour_share(image, corners, "blue") > 0.5)
+    assert sum(placed) >= 8, placed
+
+
 # --- the step engine behind HTTP ------------------------------------------------------------------
 
 
