@@ -11,7 +11,13 @@ import os
 
 import pytest
 
-from stages.local_serve import local_serve
+from contracts import envs
+
+# A forced kernel path (OMNISERVE_CPU_ISA=avx2|generic) limits ATen, oneDNN and MKL to the same level, here and in
+# every process the tests start, before any of them reads its variable: one machine runs another's paths.
+envs.limit_to_cpu_isa()
+
+from stages.local_serve import local_serve  # noqa: E402
 
 # Ray's single-machine mode: every address Ray binds and dials is the loopback, here and in every process the
 # tests start (read when ray is first imported, which is after this file).

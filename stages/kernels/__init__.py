@@ -1,7 +1,8 @@
 """Batch-invariant kernels, installed process-wide and removed exactly.
 
-- CPU: the project's own ops (`blocked.cpp`, `native.CPU_OPS`): a fixed-order GEMM on AVX-512
-  machines, fixed-shape blocks elsewhere and for convolution,
+- CPU: the project's own ops (`blocked.cpp`, `native.CPU_OPS`): a fixed-order GEMM whose bits do not
+  depend on the CPU path (AVX-512, AVX2 + FMA or generic C++: `native.cpu_isa()`, OMNISERVE_CPU_ISA),
+  oneDNN in one layout for convolution, group_norm in an order of our own,
   registered as aten kernels on the CPU dispatch key (`torch::Library`, see native.py).
 - CUDA: vLLM's `init_batch_invariance()` (with `VLLM_BATCH_INVARIANT=1`), plus the
   project's cover for what vLLM leaves out (`CUDA_COVER_OPS`: convolution, group_norm).
@@ -59,8 +60,8 @@ def _enable_cpu() -> KernelReport:
     except KernelBuildError as err:  # e.g. no C++ compiler: say so, claim nothing
         return KernelReport(False, "none", [], f"the CPU kernels could not be built or installed: {err}")
     _dispatch_key = "CPU"
-    gemm = "a fixed-order packed GEMM" if native.packed_weights() is not None else "fixed-shape-blocked GEMMs"
-    return KernelReport(True, "cpu", ops, f"the project's CPU kernels ({gemm}, fixed-shape-blocked convolution)")
+    return KernelReport(True, "cpu", ops, f"the project's CPU kernels, {native.loaded_isa()} path (a fixed-order "
+                        "packed GEMM, oneDNN convolution in one layout, our group_norm)")
 
 
 def _enable_cuda() -> KernelReport:

@@ -196,23 +196,30 @@ Tensor first_columns(const Tensor& product, int64_t n) {
 
 int64_t line_elements(const Tensor& t) { return kLineBytes / static_cast<int64_t>(t.element_size()); }
 
-// --- fixed-order GEMM on packed weights (AVX-512) ----------------------------------
+// --- fixed-order GEMM on packed weights (every CPU path) ----------------------------
 //
 // out = beta * bias + alpha * (a @ b) for float32 and bfloat16, computed so that an output
-// element's arithmetic never depends on the number of rows, where its row sits, or the threads:
-// each element is one float32 accumulator that takes a[i][k] * b[k][j] for k = 0, 1, ..., K-1 in
-// that order, one FMA per k (float32), or one vdpbf16ps per pair (2p, 2p+1) of k (bfloat16). Rows
-// are computed in tiles of 1 to kTileRows rows that share loads, never arithmetic; threads split
-// the columns, never k; the k range is cut into chunks whose partial sums are stored to and
-// reloaded from a float32 buffer (exact). So no row needs padding: one row streams the weight once,
-// like a GEMV, and many rows run at the speed of a blocked GEMM (the loop nest of BLIS/oneDNN).
+// element's arithmetic never depends on the number of rows, where its row sits, the threads, or
+// the CPU path: each element is one float32 accumulator that takes a[i][k] * b[k][j] for
+// k = 0, 1, ..., K-1 in that order, one fused multiply-add per k (float32); for bfloat16, per pair
+// (2p, 2p+1) of k, the odd product then the even one, each a fused multiply-add (what AVX-512's
+// vdpbf16ps does, in the order Intel's manual gives; the products of two bfloat16 are exact in
+// float32). Rows are computed in tiles that share loads, never arithmetic; threads split the columns,
+// never k; the k range is cut into chunks whose partial sums are stored to and reloaded from a
+// float32 buffer (exact). So no row needs padding: one row streams the weight once, like a GEMV, and
+// many rows run at the speed of a blocked GEMM (the loop nest of BLIS/oneDNN).
+//
+// The arithmetic is defined on 16 logical lanes (one per column of a panel's vector), and every path
+// (`Lanes` below: AVX-512, AVX2 + FMA, plain C++ with std::fma) does exactly it, so the three paths
+// give the same bits (pinned in tests/stages/test_kernels.py by running each path on one machine).
+// Not emulated: vdpbf16ps flushes denormal inputs and results to zero; the other paths keep them.
 //
 // The weight (b) is packed once into column panels of 16, 32 or 48 columns (by its width: a narrow
 // weight wastes no columns), k-major (for bfloat16, k pairs interleaved, as vdpbf16ps takes them),
 // and the packed copy is cached for as long as the weight tensor lives unchanged (PackedWeights).
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define OMNISERVE_PACKED_GEMM 1
+#if defined(OMNISERVE_ISA_AVX512) || defined(OMNISERVE_ISA_AVX2)
 #include <immintrin.h>
+#endif
 
 #include <atomic>
 #include <list>
@@ -222,6 +229,137 @@ int64_t line_elements(const Tensor& t) { return kLineBytes / static_cast<int64_t
 #include <type_traits>
 #include <vector>
 
+inline float bf16_bits_to_float(uint32_t bits) {  // the bfloat16 in the top half of a float32: exact
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(OMNISERVE_ISA_AVX512)
+constexpr const char* kIsa = "avx512";
+constexpr bool kOneDnnBf16 = true;  // oneDNN convolves bfloat16 on this path's CPUs
+// 16 lanes in one register.
+struct Lanes {
+  __m512 v;
+  static Lanes zero() { return {_mm512_setzero_ps()}; }
+  static Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+struct F32Weights { __m512 w; };  // one k, 16 columns
+inline F32Weights f32_weights(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Lanes f32_step(Lanes acc, const float* a, int64_t k, const F32Weights& w) {
+  return {_mm512_fmadd_ps(_mm512_set1_ps(a[k]), w.w, acc.v)};
+}
+struct Bf16Weights { __m512 w; };  // one k pair, 16 columns (32 bfloat16, pairs adjacent)
+inline Bf16Weights bf16_weights(const c10::BFloat16* p) { return {_mm512_castsi512_ps(_mm512_loadu_si512(p))}; }
+inline Lanes bf16_step(Lanes acc, uint32_t pair, const Bf16Weights& w) {
+  const __m512 a = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+  return {_mm512_dpbf16_ps(acc.v, (__m512bh)_mm512_castps_si512(a), (__m512bh)_mm512_castps_si512(w.w))};
+}
+// (T)(beta * bias + alpha * acc) for the first `left` lanes.
+template <typename T>
+inline void finish_lanes(Lanes acc, const T* bias, T* out, int left, float alpha, float beta) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+  __m512 value = _mm512_mul_ps(_mm512_set1_ps(alpha), acc.v);
+  if constexpr (std::is_same_v<T, float>) {
+    if (bias != nullptr) value = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(mask, bias)), value);
+    _mm512_mask_storeu_ps(out, mask, value);
+  } else {
+    if (bias != nullptr) {
+      const __m512i raw = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias));
+      const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // bfloat16 -> float32: exact
+      value = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(beta), b), value);
+    }
+    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(value));
+  }
+}
+// Rows per tile for panels of V vectors: accumulators, weights and a broadcast fit 32 registers.
+template <int V> constexpr int kTileRowsFor = 8;
+
+#elif defined(OMNISERVE_ISA_AVX2)
+constexpr const char* kIsa = "avx2";
+constexpr bool kOneDnnBf16 = false;
+// 16 lanes in two registers.
+struct Lanes {
+  __m256 lo, hi;
+  static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+};
+struct F32Weights { __m256 lo, hi; };
+inline F32Weights f32_weights(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Lanes f32_step(Lanes acc, const float* a, int64_t k, const F32Weights& w) {
+  const __m256 x = _mm256_broadcast_ss(a + k);
+  return {_mm256_fmadd_ps(x, w.lo, acc.lo), _mm256_fmadd_ps(x, w.hi, acc.hi)};
+}
+// A k pair's weights as float32: the even k (low halves) and the odd k (high halves) of 16 columns.
+struct Bf16Weights { __m256 even_lo, odd_lo, even_hi, odd_hi; };
+inline Bf16Weights bf16_weights(const c10::BFloat16* p) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_and_si256(lo, mask)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))};
+}
+inline Lanes bf16_step(Lanes acc, uint32_t pair, const Bf16Weights& w) {
+  const __m256 even = _mm256_set1_ps(bf16_bits_to_float(pair << 16));
+  const __m256 odd = _mm256_set1_ps(bf16_bits_to_float(pair & 0xffff0000u));
+  return {_mm256_fmadd_ps(even, w.even_lo, _mm256_fmadd_ps(odd, w.odd_lo, acc.lo)),
+          _mm256_fmadd_ps(even, w.even_hi, _mm256_fmadd_ps(odd, w.odd_hi, acc.hi))};
+}
+template <typename T>
+inline void finish_lanes(Lanes acc, const T* bias, T* out, int left, float alpha, float beta) {
+  float value[16];
+  const __m256 a = _mm256_set1_ps(alpha);
+  _mm256_storeu_ps(value, _mm256_mul_ps(a, acc.lo));
+  _mm256_storeu_ps(value + 8, _mm256_mul_ps(a, acc.hi));
+  for (int l = 0; l < left; ++l) {  // -ffp-contract=off: a multiply, then an add, as AVX-512's path does
+    const float b = bias != nullptr ? beta * static_cast<float>(bias[l]) : 0.f;
+    out[l] = static_cast<T>(bias != nullptr ? b + value[l] : value[l]);  // c10's rounding: to nearest even
+  }
+}
+// 16 ymm registers: two per accumulator of 16 lanes.
+template <int V> constexpr int kTileRowsFor = V == 1 ? 4 : 2;
+
+#else
+constexpr const char* kIsa = "generic";
+constexpr bool kOneDnnBf16 = false;
+// 16 lanes as plain floats; std::fma is the one rounding an FMA instruction makes.
+struct Lanes {
+  float v[16];
+  static Lanes zero() { return {}; }
+  static Lanes load(const float* p) { Lanes l; std::memcpy(l.v, p, sizeof l.v); return l; }
+  void store(float* p) const { std::memcpy(p, v, sizeof v); }
+};
+struct F32Weights { const float* w; };
+inline F32Weights f32_weights(const float* p) { return {p}; }
+inline Lanes f32_step(Lanes acc, const float* a, int64_t k, const F32Weights& w) {
+  const float x = a[k];
+  for (int l = 0; l < 16; ++l) acc.v[l] = std::fma(x, w.w[l], acc.v[l]);
+  return acc;
+}
+struct Bf16Weights { const uint32_t* w; };
+inline Bf16Weights bf16_weights(const c10::BFloat16* p) { return {reinterpret_cast<const uint32_t*>(p)}; }
+inline Lanes bf16_step(Lanes acc, uint32_t pair, const Bf16Weights& w) {
+  const float even = bf16_bits_to_float(pair << 16), odd = bf16_bits_to_float(pair & 0xffff0000u);
+  for (int l = 0; l < 16; ++l) {
+    const uint32_t weights = w.w[l];
+    acc.v[l] = std::fma(even, bf16_bits_to_float(weights << 16),
+                        std::fma(odd, bf16_bits_to_float(weights & 0xffff0000u), acc.v[l]));
+  }
+  return acc;
+}
+template <typename T>
+inline void finish_lanes(Lanes acc, const T* bias, T* out, int left, float alpha, float beta) {
+  for (int l = 0; l < left; ++l) {
+    const float value = alpha * acc.v[l];
+    out[l] = static_cast<T>(bias != nullptr ? beta * static_cast<float>(bias[l]) + value : value);
+  }
+}
+template <int V> constexpr int kTileRowsFor = 4;
+#endif
+
+// The most rows a tile takes on any path (packed_tile_rows dispatches 1 to 8).
 constexpr int kTileRows = 8;
 
 // Vectors of 16 columns per panel for a weight of n columns: its shape alone decides.
@@ -232,27 +370,25 @@ constexpr int64_t kDepthChunk = 512;  // k per chunk: a panel's chunk stays in L
 template <typename T> struct Packing;
 template <> struct Packing<float> {
   static constexpr int64_t kPerStep = 1;
-  static __m512 weights(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 broadcast(const float* a, int64_t k) { return _mm512_set1_ps(a[k]); }
-  static __m512 broadcast_last(const float* a, int64_t k) { return _mm512_set1_ps(a[k]); }
-  static __m512 step(__m512 acc, __m512 a, __m512 w) { return _mm512_fmadd_ps(a, w, acc); }
+  using Weights = F32Weights;
+  static Weights weights(const float* p) { return f32_weights(p); }
+  static Lanes step(Lanes acc, const float* a, int64_t k, const Weights& w) { return f32_step(acc, a, k, w); }
+  static Lanes step_last(Lanes acc, const float* a, int64_t k, const Weights& w) { return f32_step(acc, a, k, w); }
 };
 template <> struct Packing<c10::BFloat16> {
   static constexpr int64_t kPerStep = 2;
-  static __m512 weights(const c10::BFloat16* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
-  static __m512 broadcast(const c10::BFloat16* a, int64_t k) {
+  using Weights = Bf16Weights;
+  static Weights weights(const c10::BFloat16* p) { return bf16_weights(p); }
+  static Lanes step(Lanes acc, const c10::BFloat16* a, int64_t k, const Weights& w) {
     uint32_t pair;
     std::memcpy(&pair, a + k, sizeof pair);
-    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+    return bf16_step(acc, pair, w);
   }
   // Odd depth: the last k pairs with a zero (the packed weight holds a zero there too).
-  static __m512 broadcast_last(const c10::BFloat16* a, int64_t k) {
+  static Lanes step_last(Lanes acc, const c10::BFloat16* a, int64_t k, const Weights& w) {
     uint16_t low;
     std::memcpy(&low, a + k, sizeof low);
-    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(low)));
-  }
-  static __m512 step(__m512 acc, __m512 a, __m512 w) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(a), (__m512bh)_mm512_castps_si512(w));
+    return bf16_step(acc, low, w);
   }
 };
 
@@ -285,27 +421,13 @@ struct PackedProblem {
   float alpha, beta;
 };
 
-// Stores 16 results: (T)(beta * bias + alpha * acc), the same vector operations for every element.
+// Stores 16 results: (T)(beta * bias + alpha * acc), the same operations for every element.
 template <typename T>
-__attribute__((noinline)) void finish(const PackedProblem& p, __m512 acc, int64_t i, int64_t j) {
+__attribute__((noinline)) void finish(const PackedProblem& p, Lanes acc, int64_t i, int64_t j) {
   const int64_t left = std::min<int64_t>(16, p.n - j);
   if (left <= 0) return;  // a panel's zero columns past n
-  const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
-  __m512 value = _mm512_mul_ps(_mm512_set1_ps(p.alpha), acc);
-  const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out) + i * p.n + j;
-  if constexpr (std::is_same_v<T, float>) {
-    if (bias != nullptr)
-      value = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(p.beta), _mm512_maskz_loadu_ps(mask, bias + i * p.bias_row + j)), value);
-    _mm512_mask_storeu_ps(out, mask, value);
-  } else {
-    if (bias != nullptr) {
-      const __m512i raw = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + i * p.bias_row + j));
-      const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // bfloat16 -> float32: exact
-      value = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(p.beta), b), value);
-    }
-    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(value));
-  }
+  const T* bias = p.bias != nullptr ? static_cast<const T*>(p.bias) + i * p.bias_row + j : nullptr;
+  finish_lanes<T>(acc, bias, static_cast<T*>(p.out) + i * p.n + j, static_cast<int>(left), p.alpha, p.beta);
 }
 
 // R rows x one panel over steps [s0, s1): partial sums from `partial` (none at s0 == 0), the k
@@ -317,35 +439,31 @@ void packed_tile(const PackedProblem& p, int64_t i0, int64_t panel, int64_t s0, 
   constexpr int64_t per = P::kPerStep;
   const T* a = static_cast<const T*>(p.a) + i0 * p.lda;
   const T* w = static_cast<const T*>(p.w) + (panel * p.steps + s0) * kPanel * per;
-  __m512 acc[R][kVectors];
+  Lanes acc[R][kVectors];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVectors; ++v)
-      acc[r][v] = s0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + (r * kVectors + v) * 16);
+      acc[r][v] = s0 == 0 ? Lanes::zero() : Lanes::load(partial + (r * kVectors + v) * 16);
   // Whole steps; then, for odd bfloat16 depth, the last k alone (never reading past the row).
   const int64_t whole = std::min(s1, p.depth / per);
   int64_t s = s0;
   for (; s < whole; ++s, w += kPanel * per) {
-    __m512 wv[kVectors];
+    typename P::Weights wv[kVectors];
     for (int v = 0; v < kVectors; ++v) wv[v] = P::weights(w + v * 16 * per);
-    for (int r = 0; r < R; ++r) {
-      const __m512 av = P::broadcast(a + r * p.lda, s * per);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = P::step(acc[r][v], av, wv[v]);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = P::step(acc[r][v], a + r * p.lda, s * per, wv[v]);
   }
   if (s < s1) {
-    __m512 wv[kVectors];
+    typename P::Weights wv[kVectors];
     for (int v = 0; v < kVectors; ++v) wv[v] = P::weights(w + v * 16 * per);
-    for (int r = 0; r < R; ++r) {
-      const __m512 av = P::broadcast_last(a + r * p.lda, s * per);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = P::step(acc[r][v], av, wv[v]);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = P::step_last(acc[r][v], a + r * p.lda, s * per, wv[v]);
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(partial + (r * kVectors + v) * 16, acc[r][v]);
+    for (int v = 0; v < kVectors; ++v) acc[r][v].store(partial + (r * kVectors + v) * 16);
   if (s1 >= p.steps)  // after the last step: from the (L1-resident) partial sums into the output
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kVectors; ++v)
-        finish<T>(p, _mm512_loadu_ps(partial + (r * kVectors + v) * 16), i0 + r, panel * kPanel + v * 16);
+        finish<T>(p, Lanes::load(partial + (r * kVectors + v) * 16), i0 + r, panel * kPanel + v * 16);
 }
 
 template <typename T, int V>
@@ -384,8 +502,8 @@ void packed_panels(const PackedProblem& p, int64_t r0, int64_t r1, int64_t begin
       const int64_t i1 = std::min(r1, i0 + block);
       for (int64_t s0 = 0; s0 < std::max<int64_t>(p.steps, 1); s0 += chunk)
         for (int64_t panel = g0; panel < g1; ++panel)
-          for (int64_t i = i0; i < i1; i += kTileRows)
-            packed_tile_rows<T, V>(p, i, static_cast<int>(std::min<int64_t>(kTileRows, i1 - i)), panel, s0,
+          for (int64_t i = i0; i < i1; i += kTileRowsFor<V>)
+            packed_tile_rows<T, V>(p, i, static_cast<int>(std::min<int64_t>(kTileRowsFor<V>, i1 - i)), panel, s0,
                                    std::min(p.steps, s0 + chunk),
                                    partial.get() + ((panel - g0) * block + (i - i0)) * kPanel);
     }
@@ -530,7 +648,6 @@ Tensor packed_gemm(const Tensor& a, const Tensor& b, const Tensor* bias, float a
   }
   return out;
 }
-#endif
 
 // mm / addmm as one batched GEMM over fixed-size row blocks: (blocks, rows, k) @ (k, n).
 // ATen's batched GEMM computes each matrix of a batch on its own, the same way whatever the
@@ -558,7 +675,6 @@ Tensor gemm(const Tensor& a, const Tensor& b, const Tensor* bias, const c10::Sca
   return first_columns(out.view({count * rows, columns}).narrow(0, 0, m), n);
 }
 
-#ifdef OMNISERVE_PACKED_GEMM
 // a @ b (+ bias) by packed_gemm for float32 and bfloat16; undefined where it does not apply.
 Tensor fixed_order_product(const Tensor& a, const Tensor& b, const Tensor* bias, const c10::Scalar& beta,
                            const c10::Scalar& alpha) {
@@ -568,11 +684,6 @@ Tensor fixed_order_product(const Tensor& a, const Tensor& b, const Tensor* bias,
   if (dtype == at::kBFloat16) return packed_gemm<c10::BFloat16>(a, b, bias, alpha.toFloat(), beta.toFloat());
   return Tensor();
 }
-#else
-Tensor fixed_order_product(const Tensor&, const Tensor&, const Tensor*, const c10::Scalar&, const c10::Scalar&) {
-  return Tensor();
-}
-#endif
 
 Tensor blocked_mm(const Tensor& a, const Tensor& b) {
   if (!floating(a) || a.size(0) == 0) {
@@ -647,6 +758,16 @@ Tensor blocked_convolution(const Tensor& input, const Tensor& weight, const std:
                             input.dim() >= 3 && input.dim() <= 5;
   if (onednn_takes && input.size(0) > 0) {
     const auto layout = input.dim() == 4 ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+    if (input.scalar_type() == at::kBFloat16 && !kOneDnnBf16) {
+      // oneDNN convolves bfloat16 only with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT and refuses elsewhere. In
+      // float32 it convolves on every CPU, and every bfloat16 converts to float32 exactly: the float32
+      // result, rounded once to bfloat16, is as invariant as oneDNN's float32 one and at least as accurate
+      // as a bfloat16 kernel's (which accumulates in float32 too).
+      auto wide = [](const Tensor& t) { return t.to(at::kFloat); };
+      const std::optional<Tensor> wide_bias = bias && bias->defined() ? std::optional<Tensor>(wide(*bias)) : bias;
+      return at::mkldnn_convolution(wide(input).contiguous(layout), wide(weight), wide_bias, padding, stride,
+                                    dilation, groups).to(at::kBFloat16);
+    }
     return at::mkldnn_convolution(input.contiguous(layout), weight, bias, padding, stride, dilation, groups);
   }
 
@@ -935,21 +1056,18 @@ extern "C" int omniserve_kernels_install(const char* dispatch_key, const char* o
 
 extern "C" void omniserve_kernels_uninstall(const char* dispatch_key) {
   (std::string(dispatch_key) == "CPU" ? g_cpu : g_cuda).reset();
-#ifdef OMNISERVE_PACKED_GEMM
   if (std::string(dispatch_key) == "CPU") g_packed.clear();  // nothing of ours outlives the kernels
-#endif
 }
 
-// The packed-weight cache: 1 if this build has the fixed-order packed GEMM (else 0 and nothing is
-// written); `stats` gets hits, packs, uncached packs, entries, bytes, limit. A limit >= 0 sets it.
+// The packed-weight cache: `stats` gets hits, packs, uncached packs, entries, bytes, limit. A limit >= 0
+// sets it. Returns 1 (every build has the fixed-order GEMM).
 extern "C" int omniserve_kernels_packed_weights(int64_t limit, int64_t* stats) {
-#ifdef OMNISERVE_PACKED_GEMM
   if (limit >= 0) g_packed.set_limit(limit);
   g_packed.stats(stats);
   return 1;
-#else
-  return 0;
-#endif
 }
+
+// The CPU path this library was compiled for: "avx512", "avx2" or "generic".
+extern "C" const char* omniserve_kernels_isa() { return kIsa; }
 
 extern "C" const char* omniserve_kernels_error() { return g_error.c_str(); }

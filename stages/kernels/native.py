@@ -44,10 +44,19 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 
 
-#: What blocked.cpp's fixed-order packed GEMM needs (AVX-512 with bf16 dot products); without them it
-#: is compiled out and mm/addmm take the library path over fixed row blocks.
-_PACKED_GEMM_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}
-_PACKED_GEMM_COMPILER_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+#: Each CPU path of blocked.cpp: the CPU flags it needs, and how it is compiled. Every path computes the
+#: fixed-order GEMM in the same order (its bits do not depend on the path); AVX-512 with bf16 dot products is
+#: the widest, AVX2 + FMA the common x86-64 server and laptop, generic plain C++ (any CPU, aarch64 included).
+ISA_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"},
+    "avx2": {"avx2", "fma"},
+    "generic": set(),
+}
+_ISA_COMPILER_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-DOMNISERVE_ISA_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-DOMNISERVE_ISA_AVX2"],
+    "generic": ["-DOMNISERVE_ISA_GENERIC"],
+}
 
 
 def cpu_flags() -> set[str]:
@@ -59,8 +68,21 @@ def cpu_flags() -> set[str]:
     return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
-def packed_gemm_available() -> bool:
-    return _PACKED_GEMM_CPU_FLAGS <= cpu_flags()
+def supported_isas() -> list[str]:
+    """The paths this CPU can run, widest first."""
+    flags = cpu_flags()
+    return [isa for isa in envs.CPU_ISAS if ISA_CPU_FLAGS[isa] <= flags]
+
+
+def cpu_isa() -> str:
+    """The kernel path of this process: OMNISERVE_CPU_ISA if set (refused if this CPU cannot run it), else the widest."""
+    forced, supported = envs.read("OMNISERVE_CPU_ISA"), supported_isas()
+    if forced is None:
+        return supported[0]
+    if forced not in supported:
+        raise KernelBuildError(f"OMNISERVE_CPU_ISA={forced}: this CPU lacks {sorted(ISA_CPU_FLAGS[forced] - cpu_flags())}"
+                               f" (it runs {', '.join(supported)})")
+    return forced
 
 
 def _command(source: Path, output: Path) -> list[str]:
@@ -72,7 +94,7 @@ def _command(source: Path, output: Path) -> list[str]:
         # -ffp-contract=off: a multiply and an add are never fused behind our back, so a loop gives the same
         # bits vectorized or not (group_norm relies on it; the GEMM's fmas are explicit intrinsics).
         envs.read("CXX"), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w",
-        *(_PACKED_GEMM_COMPILER_FLAGS if packed_gemm_available() else []),
+        *_ISA_COMPILER_FLAGS[cpu_isa()],
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
         str(source), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-o", str(output),
@@ -155,16 +177,21 @@ def _loaded() -> ctypes.CDLL:
             library.omniserve_kernels_error.restype = ctypes.c_char_p
             library.omniserve_kernels_packed_weights.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
             library.omniserve_kernels_packed_weights.restype = ctypes.c_int
+            library.omniserve_kernels_isa.restype = ctypes.c_char_p
             _library = library
         return _library
 
 
-def packed_weights(limit_bytes: int | None = None) -> dict | None:
-    """The packed-weight cache of the fixed-order GEMM (None where this build has none); sets its bound if given."""
+def packed_weights(limit_bytes: int | None = None) -> dict:
+    """The packed-weight cache of the fixed-order GEMM; sets its bound if given."""
     stats = (ctypes.c_int64 * 6)()
-    if not _loaded().omniserve_kernels_packed_weights(-1 if limit_bytes is None else limit_bytes, stats):
-        return None
+    _loaded().omniserve_kernels_packed_weights(-1 if limit_bytes is None else limit_bytes, stats)
     return dict(zip(("hits", "packs", "uncached_packs", "entries", "bytes", "limit_bytes"), stats))
+
+
+def loaded_isa() -> str:
+    """The CPU path the loaded library was compiled for (what it says of itself)."""
+    return _loaded().omniserve_kernels_isa().decode()
 
 
 def install(dispatch_key: str, ops: tuple[str, ...]) -> list[str]:

@@ -19,7 +19,7 @@ from stages.kernels import (
     disable_batch_invariant_kernels,
     enable_batch_invariant_kernels,
 )
-from stages.kernels.native import packed_gemm_available
+from stages.kernels import native
 
 DTYPES = [torch.float32, torch.bfloat16]
 REPLACEABLE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::group_norm",
@@ -450,12 +450,8 @@ def test_kernels_library_is_cached_under_a_name_that_follows_its_source(tmp_path
     assert installed == "True" and built.startswith(str(tmp_path)) and built.endswith(path.name)
 
 
-# --- the fixed-order packed GEMM (mm/addmm, float32 and bfloat16, AVX-512 builds) -------------------
+# --- the fixed-order packed GEMM (mm/addmm, float32 and bfloat16, every CPU path) -------------------
 
-
-needs_packed_gemm = pytest.mark.skipif(
-    not packed_gemm_available(),
-    reason="this CPU lacks AVX-512 with bf16: mm/addmm take the fixed-block library path (tested above)")
 
 ROW_COUNTS = (1, 7, 8, 9, 300)  # around the 8-row tile and past the 256-row block
 
@@ -482,7 +478,6 @@ def _rows_vary(k: int, n: int, dtype, threads: tuple[int, int]) -> bool:
 GEMM_SHAPES = [(1, 1), (40, 32), (3, 47), (257, 49), (1024, 130), (512, 1408)]  # panels of 16, 32 and 48 columns
 
 
-@needs_packed_gemm
 @pytest.mark.parametrize("k,n", GEMM_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [(1, 1), (1, 2), (2, 1)], ids=lambda t: f"{t[0]}vs{t[1]}threads")
@@ -492,7 +487,6 @@ def test_kernels_packed_gemm_row_bits_follow_neither_rows_position_nor_threads(k
         assert not _rows_vary(k, n, dtype, threads)
 
 
-@needs_packed_gemm
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernels_off_control_packed_gemm_shapes_vary_with_rows_or_threads(dtype):
     varied = [(k, n, t) for k, n in GEMM_SHAPES for t in [(1, 1), (1, 2)] if _rows_vary(k, n, dtype, t)]
@@ -501,12 +495,48 @@ def test_kernels_off_control_packed_gemm_shapes_vary_with_rows_or_threads(dtype)
 
 
 def native_packed_gemm_active() -> bool:
-    from stages.kernels import native
+    """The loaded library is this process's path's, and its GEMM is the one answering mm."""
+    return native.loaded_isa() == native.cpu_isa() and _ours_active()["aten::mm"]
 
-    return native.packed_weights() is not None
+
+# Each path's products as sha256, in a process of its own (a process loads one path's library).
+_PATH_BITS = """
+import hashlib, json, torch
+from stages.kernels import enable_batch_invariant_kernels, native
+torch.set_num_threads(1)
+assert enable_batch_invariant_kernels("cpu").installed
+gen, bits = torch.Generator().manual_seed(0), {}
+for dtype in (torch.float32, torch.bfloat16):
+    for m, k, n in [(1, 64, 16), (7, 33, 40), (9, 128, 96), (300, 257, 48), (17, 1024, 1000), (3, 5, 3)]:
+        x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in ((m, k), (n, k), (n,)))
+        y = torch.cat([torch.nn.functional.linear(x, w, b), x @ w.t(), torch.addmm(b, x, w.t(), beta=0.5, alpha=-2)])
+        bits[f"{dtype} {m}x{k} @ {k}x{n}"] = hashlib.sha256(y.float().numpy().tobytes()).hexdigest()
+print(json.dumps({"isa": native.loaded_isa(), "bits": bits}))
+"""
 
 
-@needs_packed_gemm
+def test_kernels_every_cpu_path_this_cpu_runs_gives_the_gemm_the_same_bits():
+    import json
+
+    runs = {isa: json.loads(_fresh_interpreter(_PATH_BITS, OMNISERVE_CPU_ISA=isa).strip().splitlines()[-1])
+            for isa in native.supported_isas()}
+    assert all(run["isa"] == isa for isa, run in runs.items())
+    assert len(runs) >= 2, f"this CPU runs only {list(runs)}: nothing to compare"
+    reference_isa, reference = next(iter(runs.items()))
+    for isa, run in runs.items():
+        differ = [product for product, digest in run["bits"].items() if digest != reference["bits"][product]]
+        assert not differ, f"the {isa} path differs from the {reference_isa} path for {differ}"
+
+
+def test_kernels_a_path_this_cpu_cannot_run_is_refused_naming_what_it_lacks(monkeypatch):
+    missing = [isa for isa in native.ISA_CPU_FLAGS if isa not in native.supported_isas()]
+    if not missing:
+        pytest.skip(f"this CPU runs every path ({', '.join(native.supported_isas())})")
+    monkeypatch.setenv("OMNISERVE_CPU_ISA", missing[0])
+    with pytest.raises(native.KernelBuildError, match=f"OMNISERVE_CPU_ISA={missing[0]}: this CPU lacks"):
+        native.cpu_isa()
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)], ids=str)
 def test_kernels_addmm_every_bias_layout_alpha_beta_and_operand_layout_match_float64(dtype, tol):
     gen = torch.Generator().manual_seed(21)
@@ -529,10 +559,7 @@ def test_kernels_addmm_every_bias_layout_alpha_beta_and_operand_layout_match_flo
                            torch.mm(a.to(dtype).contiguous(), b.t().contiguous().t().to(dtype)))
 
 
-@needs_packed_gemm
 def test_kernels_packed_weights_are_reused_repacked_when_changed_and_bounded():
-    from stages.kernels import native
-
     gen = torch.Generator().manual_seed(5)
     with batch_invariant_kernels():
         weight, x = torch.randn(64, 40, generator=gen), torch.randn(3, 40, generator=gen)
