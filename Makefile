@@ -49,5 +49,11 @@ browser:
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(BROWSER_PACKAGES) >/dev/null; \
 	else echo "make browser: chromium and chromedriver are missing; install them as root: apt-get install $(BROWSER_PACKAGES)" >&2; fi
 
+# The kernel and golden tests again on every other kernel path this CPU runs (contracts/cpu.py: avx2 by default,
+# generic and, on AVX-512 machines, avx512 forced), ATen, oneDNN and MKL held to the same level.
 test: setup browser
 	$(BIN)/python -m pytest
+	@for isa in $$($(BIN)/python -c "from contracts import cpu; print(*(i for i in cpu.supported_isas() if i != cpu.cpu_isa()))"); do \
+		echo "== kernel path $$isa: tests/stages/test_kernels.py tests/test_golden.py"; \
+		OMNISERVE_CPU_ISA=$$isa $(BIN)/python -m pytest -q tests/stages/test_kernels.py tests/test_golden.py || exit 1; \
+	done

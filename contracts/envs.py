@@ -109,14 +109,16 @@ VARIABLES: dict[str, Variable] = {
         Variable("XDG_CACHE_HOME", None, _path, "the user's cache directory (default: ~/.cache)"),
         Variable("CXX", "c++", _text, "the C++ compiler that builds the batch-invariant CPU kernels"),
         Variable("OMNISERVE_CPU_ISA", None, _cpu_isa,
-                 "the CPU kernels' path: avx512, avx2 or generic (default: the widest this CPU has); ATen's, "
-                 "oneDNN's and MKL's own dispatch are limited to the same level (`cpu_isa_limits`)"),
+                 "the CPU kernels' path: avx512, avx2 or generic (default: avx2 where the CPU has AVX2 and FMA, else "
+                 "generic); ATen's, oneDNN's and MKL's own dispatch are held to the same level (contracts/cpu.py)"),
         Variable("ATEN_CPU_CAPABILITY", None, _text,
                  "ATen's own vector level (default, avx2, avx512); set from OMNISERVE_CPU_ISA, not for users"),
         Variable("ONEDNN_MAX_CPU_ISA", None, _text,
                  "oneDNN's highest instruction set; set from OMNISERVE_CPU_ISA, not for users"),
-        Variable("MKL_ENABLE_INSTRUCTIONS", None, _text,
-                 "MKL's highest instruction set; set from OMNISERVE_CPU_ISA, not for users"),
+        Variable("MKL_CBWR", None, _text,
+                 "MKL's reproducible code path; set from OMNISERVE_CPU_ISA, not for users"),
+        Variable("TORCHINDUCTOR_VEC_ISA_OK", None, _text,
+                 "inductor's vector code: off on the generic path (contracts/cpu.py), not for users"),
         Variable("OMNISERVE_PACKED_WEIGHTS_MB", "2048", _megabytes,
                  "bound on the CPU kernels' packed copies of weights, per process (0: pack on every call)"),
         Variable("OMNISERVE_VLLM_CPU_INVARIANT", "0", _flag,
@@ -148,29 +150,21 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
 
 
 #: What each kernel path limits ATen's, oneDNN's and MKL's own dispatch to, so a machine with wider vectors
-#: computes what a machine of that path computes (each library reads its variable once, at first use).
+#: computes what a machine of that path computes (each library reads its variable once, at first use). MKL's
+#: conditional numerical reproducibility (MKL_CBWR) fixes its code path across CPUs of one level.
 _ISA_LIMITS = {
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_CBWR": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"},
+    # Inductor (vLLM compiles a few sampling ops) emits vector code that fails to compile under ATen's default level
+    # in torch 2.13 (`at::vec` undeclared: the engine core dies); without vector code it compiles.
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE",
+                "TORCHINDUCTOR_VEC_ISA_OK": "0"},
 }
 
 
 def cpu_isa_limits(isa: str) -> dict[str, str]:
     """The variables (ATen, oneDNN, MKL) that hold a process to kernel path `isa`; set before their first use."""
     return dict(_ISA_LIMITS[isa])
-
-
-def limit_to_cpu_isa(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """When OMNISERVE_CPU_ISA forces a path, set its limits in this process (those not set already); returns them."""
-    isa = read("OMNISERVE_CPU_ISA", environ)
-    if isa is None:
-        return {}
-    limits = cpu_isa_limits(isa)
-    for name, value in limits.items():
-        set_default(name, value)
-    return limits
 
 
 def cache_root() -> Path:

@@ -307,6 +307,7 @@ class StageInvariance(BaseModel):
     # An audit record covers what ran (contracts/scope.py): the replica's configuration and, for images, their
     # size; when not, why (the nearest record's differences). None: not known (the stage was not used).
     verified: bool | None = None
+    verified_by: list[str] = []  # when verified: the record each result's replica matched, and its self-check
     scope_differences: list[str] = []
 
 

@@ -59,7 +59,7 @@ class _Record(BaseModel):
 #: mode or machine) while the pixels do not. In the bytes it made the same request give other bytes: measured, a
 #: request-batching and a step-batching replica rendered the same pixels, and 12 of 12 PNGs differed in that field
 #: only. Responses and /health carry the verdict.
-ASSESSMENT = frozenset({"verified", "scope_differences"})
+ASSESSMENT = frozenset({"verified", "verified_by", "scope_differences"})
 
 
 class StageRecord(_Record):

@@ -29,6 +29,7 @@ class Provenance(Result):
     # An audit record covers the configuration (and, for an image, its size) that produced this result
     # (contracts/scope.py); when not, why: the nearest record's differences, or "batch invariance is off".
     verified: bool = False
+    verified_by: str = ""  # when verified: the audit record, and the self-check where the record's machine was another
     scope_differences: list[str] = []
 
 

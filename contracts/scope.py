@@ -95,6 +95,67 @@ class Verdict(_Data):
     verified: bool
     differences: list[str] = []  # why not: the nearest record's differences (empty when verified)
     record: str | None = None  # the covering record's name
+    by: str = ""  # how it was verified: the record, and the self-check where the record's machine was another
+
+
+#: The golden table (docs/evidence/golden.json): per stage and kernel path, the sha256 of canonical requests.
+GOLDEN_TABLE = SHIPPED_RECORDS.parent / "golden.json"
+
+
+class GoldenColumn(_Data):
+    """What canonical requests give on one configuration; `hardware` names the kernel path and ATen's level only
+    (["path:avx2", "aten:AVX2"]), since any machine that runs that path should give these bits."""
+
+    configuration: Configuration
+    digests: dict[str, str]  # case name -> sha256 of its output
+    made: dict[str, Any] = {}  # when, the command, the CPU's name: for readers, never matched
+
+
+class SelfCheck(_Data):
+    """A replica's start-up check against its golden column: which canonical requests it reproduced."""
+
+    path: str  # the column's hardware, e.g. "path:avx2,aten:AVX2"
+    total: int = 0  # cases in its column (0: no column for this configuration)
+    differing: list[str] = []  # cases whose sha256 differed
+
+    @property
+    def verified(self) -> bool:
+        return self.total > 0 and not self.differing
+
+    @property
+    def reason(self) -> str:
+        if not self.total:
+            return f"no golden column for this configuration on {self.path} (omniserve golden --record makes one)"
+        done = f"self-check reproduced {self.total - len(self.differing)} of {self.total} golden outputs on {self.path}"
+        return done if not self.differing else f"{done}; differing: {', '.join(self.differing)}"
+
+
+def load_golden(path: Path = GOLDEN_TABLE) -> list[GoldenColumn]:
+    """Every column of the golden table (none when it is missing)."""
+    if not path.is_file():
+        return []
+    return [GoldenColumn.model_validate(column) for column in json.loads(path.read_text())["columns"]]
+
+
+def golden_column(configuration: Configuration, columns: Sequence[GoldenColumn]) -> GoldenColumn | None:
+    return next((c for c in columns if c.configuration == configuration), None)
+
+
+def compare_golden(configuration: Configuration, digests: Mapping[str, str], columns: Sequence[GoldenColumn]) -> SelfCheck:
+    """`digests` (what this machine computed) against the column of `configuration`."""
+    path = ",".join(configuration.hardware)
+    column = golden_column(configuration, columns)
+    if column is None:
+        return SelfCheck(path=path)
+    differing = sorted(case for case, digest in column.digests.items() if digests.get(case) != digest)
+    return SelfCheck(path=path, total=len(column.digests), differing=differing)
+
+
+def write_golden(column: GoldenColumn, path: Path = GOLDEN_TABLE) -> None:
+    """Add `column`, replacing the one of the same configuration."""
+    kept = [c for c in load_golden(path) if c.configuration != column.configuration]
+    columns = sorted([*kept, column], key=lambda c: json.dumps(c.configuration.model_dump(mode="json"), sort_keys=True))
+    path.write_text(json.dumps({"columns": [c.model_dump(mode="json") for c in columns]}, indent=1, sort_keys=True) + "\n")
 
 
 class OutsideVerifiedScopeError(RuntimeError):
@@ -178,14 +239,28 @@ def differences(mine: Configuration, record: ScopeRecord, *, batch_size: int, si
 
 
 def match(configuration: Configuration, records: Sequence[ScopeRecord], *, batch_size: int,
-          size: str | None = None) -> Verdict:
+          size: str | None = None, self_check: SelfCheck | None = None) -> Verdict:
     """Verified when a record covers `configuration` at batch sizes 1..`batch_size` (and `size`); else the
-    nearest record's differences (the fewest)."""
+    nearest record's differences (the fewest).
+
+    A record made on another machine covers this one too when this replica's self-check reproduced its golden
+    column: the record proves the configuration invariant, the self-check that this machine computes the same
+    bits as the machine of the golden table; then the CPU's flags are no longer a difference."""
     candidates = [(differences(configuration, r, batch_size=batch_size, size=size), r) for r in records
                   if r.configuration.stage == configuration.stage]
     if not candidates:
         return Verdict(verified=False, differences=[f"no audit record for the {configuration.stage} stage"])
     found, nearest = min(candidates, key=lambda pair: len(pair[0]))
+    if self_check is not None and self_check.total and self_check.differing:  # this machine computes other bits
+        return Verdict(verified=False, differences=[*found, self_check.reason])
     if not found:
-        return Verdict(verified=True, record=nearest.name)
+        return Verdict(verified=True, record=nearest.name, by=f"audit record {nearest.name}")
+    if self_check is not None and self_check.verified:
+        for record in records:
+            if record.configuration.stage == configuration.stage and not differences(
+                    configuration.model_copy(update={"hardware": record.configuration.hardware}), record,
+                    batch_size=batch_size, size=size):
+                return Verdict(verified=True, record=record.name, by=f"{self_check.reason}; audit record {record.name}")
+    if self_check is not None:
+        found = [*found, self_check.reason]
     return Verdict(verified=False, differences=found, record=None)

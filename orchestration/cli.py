@@ -6,6 +6,7 @@ holds their HTTP side."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import sys
 
 
@@ -351,6 +352,29 @@ def _client_parsers(commands) -> None:
     parser.set_defaults(run=health)
 
 
+def golden(args: argparse.Namespace) -> int:
+    """Render the canonical requests on this machine's path; compare with the table, or (--record) write the columns."""
+    from stages.golden import compare_or_record
+
+    return compare_or_record(_words(args.dtypes), record=args.record, table=args.table, log=_log,
+                             stages=_words(args.stages))
+
+
+def _golden_parser(commands) -> None:
+    from contracts.scope import GOLDEN_TABLE
+
+    parser = commands.add_parser(
+        "golden", help="the golden table: canonical requests and their sha256 on this kernel path",
+        description="Renders the canonical requests (the default models, torch_threads 1, invariance on) on this "
+        "machine's kernel path and compares each sha256 with the golden table's column (exit 1 naming what differs), "
+        "or with --record writes this path's columns.")
+    parser.add_argument("--stages", default="diffusion,llm", help="stages (default %(default)s)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="diffusion dtypes (default %(default)s)")
+    parser.add_argument("--record", action="store_true", help="write (replace) this path's columns")
+    parser.add_argument("--table", type=Path, default=GOLDEN_TABLE, help="the table (default: docs/evidence/golden.json)")
+    parser.set_defaults(run=golden)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniserve",
@@ -359,11 +383,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _audit_parser(commands)
     _bench_parser(commands)
+    _golden_parser(commands)
     _client_parsers(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from contracts.cpu import hold_process_to_path
+
+    hold_process_to_path()  # ATen, oneDNN and MKL at the kernel path's level, before their first use
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

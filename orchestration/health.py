@@ -160,7 +160,8 @@ def stage_health(switch: bool, wanted: int, replicas: dict[str, Any], answers: A
                       "details": redact({k: v for k, v in answer.details.items() if k in PUBLIC_DETAILS})},
             replicas_described=len(answers),
             verified=all(a.verified for a in answers),
-            scope={a.replica or "unknown": Verdict(verified=a.verified, differences=redact(a.scope_differences))
+            scope={a.replica or "unknown": Verdict(verified=a.verified, differences=redact(a.scope_differences),
+                                                   by=redact(a.verified_by))
                    for a in answers},
         ))
     return health

@@ -52,7 +52,9 @@ def scope(results: list[Provenance]) -> dict:
     if not results:
         return {}
     reasons = [reason for result in results for reason in result.scope_differences]
-    return {"verified": all(result.verified for result in results), "scope_differences": list(dict.fromkeys(reasons))}
+    by = [result.verified_by for result in results if result.verified_by]
+    return {"verified": all(result.verified for result in results), "verified_by": list(dict.fromkeys(by)),
+            "scope_differences": list(dict.fromkeys(reasons))}
 
 
 def images_response(plan: ImagePlan, results: list[ImageResult], switches: dict[str, bool]) -> ImagesResponse:

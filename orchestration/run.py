@@ -29,6 +29,9 @@ def port_is_free(port: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from contracts.cpu import hold_process_to_path
+
+    hold_process_to_path()  # Ray's processes, and so every replica, inherit the kernel path's limits
     parser = argparse.ArgumentParser(prog="python -m orchestration.run", description=__doc__.splitlines()[0],
                                      allow_abbrev=False)  # the rest is serve run's, untouched
     parser.add_argument("--metrics-port", type=int, default=METRICS_EXPORT_PORT,

@@ -137,6 +137,10 @@ class DiffusionRenderer:
         self.config = config
         self.batch_invariant = bool(config.batch_invariant)
         self.device = config.device
+        if self.device == "cpu":
+            from contracts.cpu import hold_process_to_path
+
+            hold_process_to_path()  # ATen, oneDNN and MKL at the kernel path's level: one path, one machine's bits
         self.torch_threads = config.torch_threads
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
@@ -400,9 +404,11 @@ class DiffusionStage:
         self.in_flight = 0
         self.replica = replica_id()
         step = self.config.batching == "step" and self.renderer.family is not None
-        self.scope = diffusion_scope(self.renderer, self.config, "step" if step else "request")  # strict: refuses here
-        self.provenance = self.provenance.model_copy(update=self.scope.provenance())
         self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config, self._rendered)
+        # Strict: refuses here. A step replica checks itself against the golden table first (a second or so).
+        self.scope = diffusion_scope(self.renderer, self.config, self.batching.mode,
+                                     getattr(self.batching, "engine", None))
+        self.provenance = self.provenance.model_copy(update=self.scope.provenance())
         record_switch_state("diffusion", batch_invariant, self.renderer.kernels.backend)
         if self.config.warm_up:
             self.batching.warm_up(Job("warm-up", self.renderer.resolve(DiffusionSamplingParams(seed=0, num_inference_steps=1))))

@@ -16,7 +16,8 @@ import importlib.metadata
 from pathlib import Path
 
 from contracts.errors import InvalidRequestError
-from contracts.scope import Configuration, OutsideVerifiedScopeError, Verdict, load_records, match, resolve_strict
+from contracts.scope import (Configuration, OutsideVerifiedScopeError, SelfCheck, Verdict, load_records, match,
+                             resolve_strict)
 
 #: CPU features that change which code the kernels and ATen/oneDNN run (Linux /proc/cpuinfo names).
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
@@ -42,7 +43,7 @@ def hardware(device: str) -> list[str]:
     if device.startswith("cuda"):
         major, minor = torch.cuda.get_device_capability()
         return [f"sm_{major}{minor}", torch.cuda.get_device_name()]
-    from stages.kernels.native import cpu_flags
+    from contracts.cpu import cpu_flags
 
     return [f"aten:{torch.backends.cpu.get_cpu_capability()}", *sorted(set(CPU_FEATURES) & cpu_flags())]
 
@@ -99,8 +100,9 @@ class ReplicaScope:
     """A replica's verdict, decided once at start-up from the records (repository + user cache)."""
 
     def __init__(self, configuration: Configuration, *, batch_invariant: bool, batch_size: int,
-                 size: str | None = None, strict: bool = False, records=None):
+                 size: str | None = None, strict: bool = False, records=None, self_check: SelfCheck | None = None):
         self.configuration, self.batch_invariant, self.batch_size = configuration, batch_invariant, batch_size
+        self.self_check = self_check
         self.strict = strict and batch_invariant
         self.records = load_records() if records is None else records
         self.verdict = self._match(size) if batch_invariant else Verdict(verified=False, differences=[INVARIANCE_OFF])
@@ -109,7 +111,7 @@ class ReplicaScope:
             raise OutsideVerifiedScopeError(configuration.stage, self.verdict.differences)
 
     def _match(self, size: str | None) -> Verdict:
-        return match(self.configuration, self.records, batch_size=self.batch_size, size=size)
+        return match(self.configuration, self.records, batch_size=self.batch_size, size=size, self_check=self.self_check)
 
     def for_size(self, width: int, height: int) -> Verdict:
         """An image's verdict: its size must be audited too (the replica's own verdict covers its default size)."""
@@ -130,17 +132,27 @@ class ReplicaScope:
     def provenance(self, verdict: Verdict | None = None) -> dict:
         """The Provenance fields of a result."""
         verdict = verdict or self.verdict
-        return {"verified": verdict.verified, "scope_differences": list(verdict.differences)}
+        return {"verified": verdict.verified, "verified_by": verdict.by, "scope_differences": list(verdict.differences)}
 
 
-def diffusion_scope(renderer, config, batching: str) -> ReplicaScope:
-    """A diffusion replica's scope: its batch bound and its default size must be audited."""
+def diffusion_scope(renderer, config, batching: str, engine=None) -> ReplicaScope:
+    """A diffusion replica's scope: its batch bound and its default size must be audited; with invariance on and a
+    step `engine`, its self-check against the golden table decides whether another machine's records cover it."""
     size = f"{renderer.defaults['width']}x{renderer.defaults['height']}"
-    return ReplicaScope(diffusion_configuration(renderer, batching), batch_invariant=bool(config.batch_invariant),
-                        batch_size=config.max_batch_size, size=size, strict=resolve_strict(config.strict))
+    configuration = diffusion_configuration(renderer, batching)
+    self_check = None
+    if config.batch_invariant and engine is not None:
+        from stages.golden import diffusion_self_check
+
+        self_check = diffusion_self_check(renderer, engine, configuration)
+    return ReplicaScope(configuration, batch_invariant=bool(config.batch_invariant), batch_size=config.max_batch_size,
+                        size=size, strict=resolve_strict(config.strict), self_check=self_check)
 
 
-def llm_scope(engine) -> ReplicaScope:
-    """An LLM replica's scope: its engine's batch (`max_num_seqs`) must be audited."""
-    return ReplicaScope(llm_configuration(engine), batch_invariant=engine.batch_invariant,
-                        batch_size=engine.config.max_num_seqs, strict=resolve_strict(engine.config.strict))
+def llm_scope(engine, *, self_check: SelfCheck | None = None, configuration: Configuration | None = None) -> ReplicaScope:
+    """An LLM replica's scope: its engine's batch (`max_num_seqs`) must be audited; `self_check` (the replica's
+    against the golden table, `stages.llm.golden.llm_self_check`, run by the stage since it is async) decides
+    whether another machine's records cover it. `configuration`: the engine's, when the caller has it already."""
+    return ReplicaScope(configuration or llm_configuration(engine), batch_invariant=engine.batch_invariant,
+                        batch_size=engine.config.max_num_seqs, strict=resolve_strict(engine.config.strict),
+                        self_check=self_check)

@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from contracts import envs
+from contracts.cpu import hold_process_to_path
 
-# A forced kernel path (OMNISERVE_CPU_ISA=avx2|generic) limits ATen, oneDNN and MKL to the same level, here and in
-# every process the tests start, before any of them reads its variable: one machine runs another's paths.
-envs.limit_to_cpu_isa()
+# ATen, oneDNN and MKL held to the kernel path's level (OMNISERVE_CPU_ISA=avx2|generic forces one), here and in every
+# process the tests start, before any of them reads its variable: one machine runs another's paths.
+hold_process_to_path()
 
 from stages.local_serve import local_serve  # noqa: E402
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from contracts import envs
+from contracts import cpu, envs
 from stages.trust import distrust, ours_to_replace
 
 logger = logging.getLogger(__name__)
@@ -44,14 +44,9 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 
 
-#: Each CPU path of blocked.cpp: the CPU flags it needs, and how it is compiled. Every path computes the
-#: fixed-order GEMM in the same order (its bits do not depend on the path); AVX-512 with bf16 dot products is
-#: the widest, AVX2 + FMA the common x86-64 server and laptop, generic plain C++ (any CPU, aarch64 included).
-ISA_CPU_FLAGS = {
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"},
-    "avx2": {"avx2", "fma"},
-    "generic": set(),
-}
+#: How blocked.cpp is compiled for each CPU path (contracts/cpu.py). Every path computes the fixed-order GEMM in
+#: the same order (its bits do not depend on the path); AVX-512 with bf16 dot products is the widest, AVX2 + FMA
+#: the common x86-64 server and laptop, generic plain C++ (any CPU, aarch64 included).
 _ISA_COMPILER_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-DOMNISERVE_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-DOMNISERVE_ISA_AVX2"],
@@ -59,30 +54,12 @@ _ISA_COMPILER_FLAGS = {
 }
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
-
-
-def supported_isas() -> list[str]:
-    """The paths this CPU can run, widest first."""
-    flags = cpu_flags()
-    return [isa for isa in envs.CPU_ISAS if ISA_CPU_FLAGS[isa] <= flags]
-
-
 def cpu_isa() -> str:
-    """The kernel path of this process: OMNISERVE_CPU_ISA if set (refused if this CPU cannot run it), else the widest."""
-    forced, supported = envs.read("OMNISERVE_CPU_ISA"), supported_isas()
-    if forced is None:
-        return supported[0]
-    if forced not in supported:
-        raise KernelBuildError(f"OMNISERVE_CPU_ISA={forced}: this CPU lacks {sorted(ISA_CPU_FLAGS[forced] - cpu_flags())}"
-                               f" (it runs {', '.join(supported)})")
-    return forced
+    """This process's kernel path; a forced one this CPU cannot run is a KernelBuildError."""
+    try:
+        return cpu.cpu_isa()
+    except cpu.CpuPathError as err:
+        raise KernelBuildError(str(err)) from None
 
 
 def _command(source: Path, output: Path) -> list[str]:

@@ -74,6 +74,10 @@ class LLMEngine:
     async def start(self) -> LLMEngine:
         if self._engine is not None:
             return self
+        if self.device == "cpu":
+            from contracts.cpu import hold_process_to_path
+
+            hold_process_to_path()  # the engine's processes inherit the kernel path's limits for ATen, oneDNN, MKL
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -12,12 +12,12 @@ from ray import serve
 from contracts.config import LLMStageConfig
 from contracts.results import Completion, RevisedPrompt, StageDescription
 from contracts.sampling import LLMSamplingParams
-from contracts.scope import OutsideVerifiedScopeError
 from stages import replica_id
 from stages.metrics import record, record_switch_state, timed_stage_call
-from stages.scope import llm_scope
+from stages.scope import llm_configuration, llm_scope
 
 from .engine import LLMEngine
+from .golden import llm_self_check
 from .requests import LLMRequests
 
 ResultT = TypeVar("ResultT", RevisedPrompt, Completion)
@@ -39,8 +39,12 @@ class LLMStage:
         self.engine = LLMEngine(config)
         await self.engine.start()
         try:
-            self.engine.scope = llm_scope(self.engine)  # strict and outside the verified scope: refuses to start
-        except OutsideVerifiedScopeError:
+            # With invariance on, the replica checks itself against the golden table first (no column: runs nothing).
+            configuration = llm_configuration(self.engine)  # after start(): its workers report their threads
+            self_check = await llm_self_check(self.engine, configuration) if self.engine.batch_invariant else None
+            # Strict and outside the verified scope: refuses to start.
+            self.engine.scope = llm_scope(self.engine, self_check=self_check, configuration=configuration)
+        except Exception:
             self.engine.shutdown()
             raise
         self.requests = LLMRequests(self.engine)

@@ -19,6 +19,7 @@ from stages.kernels import (
     disable_batch_invariant_kernels,
     enable_batch_invariant_kernels,
 )
+from contracts import cpu
 from stages.kernels import native
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -519,7 +520,7 @@ def test_kernels_every_cpu_path_this_cpu_runs_gives_the_gemm_the_same_bits():
     import json
 
     runs = {isa: json.loads(_fresh_interpreter(_PATH_BITS, OMNISERVE_CPU_ISA=isa).strip().splitlines()[-1])
-            for isa in native.supported_isas()}
+            for isa in cpu.supported_isas()}
     assert all(run["isa"] == isa for isa, run in runs.items())
     assert len(runs) >= 2, f"this CPU runs only {list(runs)}: nothing to compare"
     reference_isa, reference = next(iter(runs.items()))
@@ -529,9 +530,9 @@ def test_kernels_every_cpu_path_this_cpu_runs_gives_the_gemm_the_same_bits():
 
 
 def test_kernels_a_path_this_cpu_cannot_run_is_refused_naming_what_it_lacks(monkeypatch):
-    missing = [isa for isa in native.ISA_CPU_FLAGS if isa not in native.supported_isas()]
+    missing = [isa for isa in cpu.ISA_CPU_FLAGS if isa not in cpu.supported_isas()]
     if not missing:
-        pytest.skip(f"this CPU runs every path ({', '.join(native.supported_isas())})")
+        pytest.skip(f"this CPU runs every path ({', '.join(cpu.supported_isas())})")
     monkeypatch.setenv("OMNISERVE_CPU_ISA", missing[0])
     with pytest.raises(native.KernelBuildError, match=f"OMNISERVE_CPU_ISA={missing[0]}: this CPU lacks"):
         native.cpu_isa()

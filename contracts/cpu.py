@@ -1,0 +1,61 @@
+"""The CPU paths of the batch-invariant kernels, and the one level a process is held to (no torch here).
+
+A path is what the kernels are compiled for and what ATen, oneDNN and MKL are limited to (`envs.cpu_isa_limits`),
+so that two machines on one path compute the same bits even where their CPUs differ (an AVX-512 machine held to
+the avx2 path computes what an AVX2 machine does). The default is avx2 wherever the CPU has AVX2 and FMA, the
+widest level most x86-64 servers and laptops share, and generic elsewhere (aarch64 included); avx512 is opt-in
+(OMNISERVE_CPU_ISA=avx512): faster on such machines, with golden bits of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import envs
+
+#: The CPU flags each path needs (Linux /proc/cpuinfo names).
+ISA_CPU_FLAGS = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}),
+    "avx2": frozenset({"avx2", "fma"}),
+    "generic": frozenset(),
+}
+DEFAULT_ORDER = ("avx2", "generic")  # what a process runs unless OMNISERVE_CPU_ISA says otherwise
+
+
+class CpuPathError(ValueError):
+    """OMNISERVE_CPU_ISA names a path this CPU cannot run."""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+def supported_isas() -> list[str]:
+    """The paths this CPU can run, widest first."""
+    flags = cpu_flags()
+    return [isa for isa in envs.CPU_ISAS if ISA_CPU_FLAGS[isa] <= flags]
+
+
+def cpu_isa() -> str:
+    """This process's path: OMNISERVE_CPU_ISA if set (refused if this CPU cannot run it), else avx2 or generic."""
+    forced, supported = envs.read("OMNISERVE_CPU_ISA"), supported_isas()
+    if forced is None:
+        return next(isa for isa in DEFAULT_ORDER if isa in supported)
+    if forced not in supported:
+        raise CpuPathError(f"OMNISERVE_CPU_ISA={forced}: this CPU lacks {sorted(ISA_CPU_FLAGS[forced] - cpu_flags())} "
+                           f"(it runs {', '.join(supported)})")
+    return forced
+
+
+def hold_process_to_path() -> dict[str, str]:
+    """Limit ATen, oneDNN and MKL in this process (and those it starts) to this process's path, where the
+    variables are not set already; call it before their first use (a stage's start, a test session's, the CLI's)."""
+    limits = envs.cpu_isa_limits(cpu_isa())
+    for name, value in limits.items():
+        envs.set_default(name, value)
+    return limits

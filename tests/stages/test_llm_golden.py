@@ -1,0 +1,160 @@
+"""The LLM stage's golden table (stages/llm/golden.py): canonical requests on a real engine, the self-check, and
+how it lets another machine's audit record cover a replica (contracts.scope.match).
+
+One LLM replica per module, in a process of its own (vLLM spawns processes and edits the environment of the one
+that starts it): the Serve class itself (no Ray) with the embedded default model, invariance on, one thread. It
+starts with an empty golden table (its self-check finds no column and runs nothing), then computes the digests
+twice, writes its column and checks itself against it as a replica does at start-up, timed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contracts.scope import (AuditResult, Configuration, Coverage, GoldenColumn, ScopeRecord, compare_golden,
+                             load_golden, match)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+SCRIPT = """
+import asyncio, json, sys, time
+from pathlib import Path
+from contracts.config import LLMStageConfig
+from contracts.scope import load_golden, write_golden
+import stages.llm.golden as golden
+import stages.llm.stage as stage_module
+from stages.golden import golden_configuration
+from stages.llm import LLMStage
+from stages.scope import llm_configuration, llm_scope
+
+TABLE = Path(sys.argv[1])
+
+async def main():
+    golden.load_golden = lambda: load_golden(TABLE)  # the replica's table: empty until its column is written
+    timed = {}
+
+    async def self_check(engine, configuration):  # the stage's own call at start-up, timed
+        started = time.monotonic()
+        try:
+            return await golden.llm_self_check(engine, configuration)
+        finally:
+            timed["start_self_check_s"] = time.monotonic() - started
+
+    stage_module.llm_self_check = self_check
+    stage = LLMStage.func_or_class.__new__(LLMStage.func_or_class)
+    started = time.monotonic()
+    await stage.__init__(LLMStageConfig(batch_invariant=True, torch_threads=1))
+    out = {"stage_start_s": time.monotonic() - started, "engine_start_s": stage.engine.startup_s, **timed}
+    engine = stage.engine
+    try:
+        scope = engine.scope
+        out["no_column"] = {"total": scope.self_check.total, "reason": scope.self_check.reason,
+                            "verdict": scope.verdict.model_dump()}
+        configuration = llm_configuration(engine)
+        out["configuration"] = configuration.model_dump(mode="json")
+        out["golden_configuration"] = golden_configuration(configuration).model_dump(mode="json")
+        out["max_num_seqs"] = engine.config.max_num_seqs
+        runs = []
+        for _ in range(2):
+            started = time.monotonic()
+            runs.append(await golden.llm_digests(engine))
+            out.setdefault("digests_s", []).append(time.monotonic() - started)
+        out["runs"] = runs
+        column = await golden.llm_golden_column(engine, configuration)
+        out["column"] = column.model_dump(mode="json")
+        write_golden(column, TABLE)
+        started = time.monotonic()  # what a replica runs at start-up once its column exists
+        check = await golden.llm_self_check(engine, configuration)
+        engine.scope = llm_scope(engine, self_check=check, configuration=configuration)
+        out["self_check_s"] = time.monotonic() - started
+        out["self_check"] = check.model_dump()
+        out["verdict"] = engine.scope.verdict.model_dump()
+        print("RESULT " + json.dumps(out))
+    finally:
+        engine.shutdown()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llm-golden")
+    script, table = directory / "llm_golden.py", directory / "golden.json"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(table)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    result["table"] = load_golden(table)
+    print({k: result[k] for k in ("stage_start_s", "engine_start_s", "start_self_check_s", "digests_s", "self_check_s")})
+    return result
+
+
+def test_the_canonical_requests_repeat_bit_for_bit_and_co_batching_changes_no_target(replica):
+    first, second = replica["runs"]
+    assert first == second
+    assert set(first) == {f"{sampling} {case}" for sampling in ("greedy", "seeded") for case in (
+        "solo", "co-batched target", "co-batched neighbour 1", "co-batched neighbour 2")}
+    for sampling in ("greedy", "seeded"):
+        assert first[f"{sampling} solo"] == first[f"{sampling} co-batched target"]
+    assert first["greedy solo"] != first["seeded solo"]  # the cases are distinct requests, not one output
+    assert all(len(digest) == 64 for digest in first.values())
+
+
+def test_the_replica_starts_without_a_column_and_its_self_check_then_renders_nothing(replica):
+    assert replica["no_column"]["total"] == 0 and "no golden column" in replica["no_column"]["reason"]
+    assert "self-check" not in replica["no_column"]["verdict"]["by"]
+
+
+def test_the_column_is_keyed_by_the_kernel_path_and_the_self_check_verifies_or_names_what_differs(replica):
+    mine = Configuration.model_validate(replica["golden_configuration"])
+    assert mine.hardware[0].startswith("path:") and mine.hardware[1].startswith("aten:")
+    column = GoldenColumn.model_validate(replica["column"])
+    assert column.configuration == mine and column.digests == replica["runs"][0]
+    assert set(column.made) == {"date", "cpu"}
+    assert replica["table"] == [column]
+    assert replica["self_check"] == {"path": ",".join(mine.hardware), "total": 8, "differing": []}
+
+    digests = replica["runs"][0]
+    assert compare_golden(mine, digests, [column]).verified
+    altered = {**digests, "seeded co-batched target": "0" * 64}
+    check = compare_golden(mine, altered, [column])
+    assert not check.verified and check.differing == ["seeded co-batched target"]
+    assert "differing: seeded co-batched target" in check.reason
+
+
+def other_machines_record(configuration: Configuration, batch_sizes) -> ScopeRecord:
+    avx512 = ["aten:AVX512", "avx2", "avx512bw", "avx512dq", "avx512f", "avx512vl", "fma"]
+    return ScopeRecord(
+        configuration=configuration.model_copy(update={"hardware": avx512}),
+        coverage=Coverage(batch_sizes=list(batch_sizes), orderings=["target-first", "target-last"]),
+        result=AuditResult(control_runs=10, control_varied=True, invariant_runs=10, differing_with_kernels_on=0),
+    )
+
+
+def test_another_machines_record_covers_the_replica_only_with_its_self_check(replica):
+    configuration = Configuration.model_validate(replica["configuration"])
+    bound = replica["max_num_seqs"]
+    record = other_machines_record(configuration, range(1, bound + 1))
+    column = GoldenColumn.model_validate(replica["column"])
+    mine = Configuration.model_validate(replica["golden_configuration"])
+
+    without = match(configuration, [record], batch_size=bound)
+    assert not without.verified and any(d.startswith("hardware ") for d in without.differences)
+    check = compare_golden(mine, replica["runs"][0], [column])
+    verdict = match(configuration, [record], batch_size=bound, self_check=check)
+    assert verdict.verified and verdict.record == record.name and "self-check reproduced 8 of 8" in verdict.by
+    differing = compare_golden(mine, {**replica["runs"][0], "greedy solo": "0" * 64}, [column])
+    refused = match(configuration, [record], batch_size=bound, self_check=differing)
+    assert not refused.verified and "differing: greedy solo" in refused.differences[-1]
+
+
+def test_the_self_check_at_start_up_is_a_few_seconds(replica):
+    assert replica["self_check_s"] < 30, replica["self_check_s"]

@@ -1,0 +1,48 @@
+"""The golden table on whatever machine runs the suite: the canonical requests, rendered on this machine's kernel
+path, give the sha256 the table holds for that path (docs/evidence/golden.json, `omniserve golden --record`).
+
+A path without a column is skipped, naming the command that makes one (a machine fact, not a failure); a column
+that differs fails, naming the path and every request that differs. `make test` runs this on every kernel path the
+CPU can run (OMNISERVE_CPU_ISA), ATen, oneDNN and MKL held to the same level.
+"""
+
+import pytest
+
+from contracts.scope import compare_golden, load_golden
+from stages.golden import diffusion_column
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_golden_diffusion_requests_give_this_paths_sha256(dtype):
+    column = diffusion_column(dtype)  # refuses to exist if the co-batched target differs from its solo render
+    check = compare_golden(column.configuration, column.digests, load_golden())
+    path = ",".join(column.configuration.hardware)
+    if not check.total:
+        pytest.skip(f"measured: no golden column for diffusion {dtype} on {path} with these kernels and weights; "
+                    "`omniserve golden --record` on such a machine makes one")
+    assert check.verified, f"diffusion {dtype} on {path}: {check.reason}"
+    assert check.total == len(column.digests)
+
+
+def test_golden_a_differing_output_is_named_with_its_path():
+    columns = load_golden()
+    assert columns, "the shipped golden table is missing or empty"
+    column = columns[0]
+    digests = {**column.digests, "edit": "0" * 64}
+    check = compare_golden(column.configuration, digests, columns)
+    assert not check.verified and check.differing == ["edit"]
+    assert ",".join(column.configuration.hardware) in check.reason and "edit" in check.reason
+
+
+def test_golden_llm_requests_give_this_paths_token_ids_and_logprobs():
+    from stages.golden import llm_column
+
+    column = llm_column()  # refuses to exist if a co-batched target differs from its solo run
+    check = compare_golden(column.configuration, column.digests, load_golden())
+    path = ",".join(column.configuration.hardware)
+    if not check.total:
+        pytest.skip(f"measured: no golden column for the llm on {path} with these kernels and weights; "
+                    "`omniserve golden --record --stages llm` on such a machine makes one")
+    assert check.verified, f"llm on {path}: {check.reason}"
