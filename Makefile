@@ -9,7 +9,7 @@ EXTRA  ?= cpu
 PIP_OPTS ?=
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: serve test setup browser
+.PHONY: serve test setup browser toolchains
 # The C++ batch-invariant kernels are compiled once into the user cache (a no-op when cached),
 # so no server or test compiles on its first request.
 setup: $(STAMP)
@@ -49,9 +49,18 @@ browser:
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(BROWSER_PACKAGES) >/dev/null; \
 	else echo "make browser: chromium and chromedriver are missing; install them as root: apt-get install $(BROWSER_PACKAGES)" >&2; fi
 
+# Debian's aarch64 cross compiler: the kernel tests compile the generic path for aarch64 (an object file; nothing
+# runs it here). Installed like the browser: through apt-get when missing and we are root, else the test says so.
+toolchains:
+	@if command -v aarch64-linux-gnu-g++ >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing g++-aarch64-linux-gnu (apt-get)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++-aarch64-linux-gnu >/dev/null; \
+	else echo "make toolchains: aarch64-linux-gnu-g++ is missing; install it as root: apt-get install g++-aarch64-linux-gnu" >&2; fi
+
 # The kernel and golden tests again on every other kernel path this CPU runs (contracts/cpu.py: avx2 by default,
 # generic and, on AVX-512 machines, avx512 forced), ATen, oneDNN and MKL held to the same level.
-test: setup browser
+test: setup browser toolchains
 	$(BIN)/python -m pytest
 	@for isa in $$($(BIN)/python -c "from contracts import cpu; print(*(i for i in cpu.supported_isas() if i != cpu.cpu_isa()))"); do \
 		echo "== kernel path $$isa: tests/stages/test_kernels.py tests/test_golden.py"; \

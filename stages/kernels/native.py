@@ -62,19 +62,23 @@ def cpu_isa() -> str:
         raise KernelBuildError(str(err)) from None
 
 
-def _command(source: Path, output: Path) -> list[str]:
+def _command(source: Path, output: Path, *, isa: str | None = None, cxx: str | None = None,
+             link: bool = True) -> list[str]:
+    """The compiler command for `isa` (default: this process's path); `link=False`: an object file only (a cross
+    compiler's check, tests/stages/test_kernels.py: torch's libraries here are this machine's)."""
     # torch's own layout (what torch.utils.cpp_extension uses, without importing it: it imports
     # setuptools, which patches distutils in every server process that enables the kernels).
     root = Path(torch.__file__).parent
     includes, torch_lib = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include"), root / "lib"
+    libraries = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"]
     return [
         # -ffp-contract=off: a multiply and an add are never fused behind our back, so a loop gives the same
-        # bits vectorized or not (group_norm relies on it; the GEMM's fmas are explicit intrinsics).
-        envs.read("CXX"), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w",
-        *_ISA_COMPILER_FLAGS[cpu_isa()],
+        # bits vectorized or not (group_norm relies on it; the GEMM's fmas are explicit intrinsics or std::fma).
+        cxx or envs.read("CXX"), "-O3", "-std=c++20", "-shared" if link else "-c", "-fPIC", "-fopenmp",
+        "-ffp-contract=off", "-w", *_ISA_COMPILER_FLAGS[isa or cpu_isa()],
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
-        str(source), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-o", str(output),
+        str(source), *(libraries if link else []), "-o", str(output),
     ]
 
 

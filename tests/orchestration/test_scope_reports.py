@@ -26,8 +26,10 @@ def test_health_gives_each_replicas_verdict_and_an_unverified_one_is_information
 
 
 def test_a_response_is_verified_only_when_every_result_was_and_lists_each_reason_once():
-    ok = Provenance(model="m", batch_invariant=True, kernel_backend="cpu", verified=True)
-    big = ok.model_copy(update={"verified": False, "scope_differences": ["size 512x512 not audited (audited 64x64)"]})
-    assert scope([ok, ok]) == {"verified": True, "scope_differences": []}
-    assert scope([big, ok, big]) == {"verified": False, "scope_differences": ["size 512x512 not audited (audited 64x64)"]}
+    ok = Provenance(model="m", batch_invariant=True, kernel_backend="cpu", verified=True, verified_by="audit record r")
+    big = ok.model_copy(update={"verified": False, "verified_by": "",
+                                "scope_differences": ["size 512x512 not audited (audited 64x64)"]})
+    assert scope([ok, ok]) == {"verified": True, "verified_by": ["audit record r"], "scope_differences": []}
+    assert scope([big, ok, big]) == {"verified": False, "verified_by": ["audit record r"],
+                                     "scope_differences": ["size 512x512 not audited (audited 64x64)"]}
     assert scope([]) == {}  # a stage that was not used says nothing

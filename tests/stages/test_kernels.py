@@ -529,6 +529,22 @@ def test_kernels_every_cpu_path_this_cpu_runs_gives_the_gemm_the_same_bits():
         assert not differ, f"the {isa} path differs from the {reference_isa} path for {differ}"
 
 
+CROSS_COMPILER = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (make test installs it: `make toolchains`)
+
+
+def test_kernels_the_generic_path_compiles_for_aarch64(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which(CROSS_COMPILER) is None:
+        pytest.fail(f"{CROSS_COMPILER} is missing: `make toolchains` installs it (apt-get, as root)")
+    output = tmp_path / "blocked-aarch64.o"
+    command = native._command(native.SOURCE, output, isa="generic", cxx=CROSS_COMPILER, link=False)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert output.read_bytes()[:4] == b"\x7fELF" and output.read_bytes()[18] == 0xB7  # e_machine: EM_AARCH64
+
+
 def test_kernels_a_path_this_cpu_cannot_run_is_refused_naming_what_it_lacks(monkeypatch):
     missing = [isa for isa in cpu.ISA_CPU_FLAGS if isa not in cpu.supported_isas()]
     if not missing:
