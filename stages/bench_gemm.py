@@ -30,14 +30,18 @@ TARGET_S = 0.02  # time per measurement: calls repeat until about this long
 
 
 def _onednn_linear(weight: torch.Tensor) -> Callable | None:
-    """vLLM's stock CPU linear for this weight, or None where vLLM's CPU ops are not installed."""
+    """vLLM's stock CPU linear for this weight, or None where vLLM's CPU ops are not installed or oneDNN has no
+    kernel for it (bfloat16 below AVX-512: "could not create a primitive descriptor")."""
     try:
         from vllm import _custom_ops as ops
     except ImportError:
         return None
     if not getattr(ops, "_supports_onednn", False):
         return None
-    handler = ops.create_onednn_mm(weight.t(), 32)
+    try:
+        handler = ops.create_onednn_mm(weight.t(), 32)
+    except RuntimeError:
+        return None
     return lambda x, bias: ops.onednn_mm(handler, x, bias)
 
 
