@@ -14,16 +14,21 @@ from stages.golden import diffusion_column
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_golden_diffusion_requests_give_this_paths_sha256(dtype):
-    column = diffusion_column(dtype)  # refuses to exist if the co-batched target differs from its solo render
+def _assert_reproduces_its_column(column, name: str, record: str) -> None:
+    """This machine's `column` against the shipped table: skipped where the table has none for its path."""
     check = compare_golden(column.configuration, column.digests, load_golden())
     path = ",".join(column.configuration.hardware)
     if not check.total:
-        pytest.skip(f"measured: no golden column for diffusion {dtype} on {path} with these kernels and weights; "
-                    "`omniserve golden --record` on such a machine makes one")
-    assert check.verified, f"diffusion {dtype} on {path}: {check.reason}"
+        pytest.skip(f"measured: no golden column for {name} on {path} with these kernels and weights; "
+                    f"`{record}` on such a machine makes one")
+    assert check.verified, f"{name} on {path}: {check.reason}"
     assert check.total == len(column.digests)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_golden_diffusion_requests_give_this_paths_sha256(dtype):
+    column = diffusion_column(dtype)  # refuses to exist if the co-batched target differs from its solo render
+    _assert_reproduces_its_column(column, f"diffusion {dtype}", "omniserve golden --record")
 
 
 def test_golden_a_differing_output_is_named_with_its_path():
@@ -40,9 +45,4 @@ def test_golden_llm_requests_give_this_paths_token_ids_and_logprobs():
     from stages.golden import llm_column
 
     column = llm_column()  # refuses to exist if a co-batched target differs from its solo run
-    check = compare_golden(column.configuration, column.digests, load_golden())
-    path = ",".join(column.configuration.hardware)
-    if not check.total:
-        pytest.skip(f"measured: no golden column for the llm on {path} with these kernels and weights; "
-                    "`omniserve golden --record --stages llm` on such a machine makes one")
-    assert check.verified, f"llm on {path}: {check.reason}"
+    _assert_reproduces_its_column(column, "the llm", "omniserve golden --record --stages llm")
