@@ -9,6 +9,7 @@ widest level most x86-64 servers and laptops share, and generic elsewhere (aarch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from . import envs
@@ -59,3 +60,10 @@ def hold_process_to_path() -> dict[str, str]:
     for name, value in limits.items():
         envs.set_default(name, value)
     return limits
+
+
+def path_environment(isa: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` for a child process held to path `isa`: OMNISERVE_CPU_ISA and that path's ATen/oneDNN/MKL levels,
+    none of another path's left over (tests and benchmarks run one machine's paths side by side)."""
+    others = {name for path in ISA_CPU_FLAGS for name in envs.cpu_isa_limits(path)}
+    return {k: v for k, v in environ.items() if k not in others} | {"OMNISERVE_CPU_ISA": isa, **envs.cpu_isa_limits(isa)}

@@ -17,6 +17,12 @@ What it changes, and why:
   `stages.kernels` installs its fixed-order GEMM (enabled in the process that loads the model,
   on first use); it packs each weight once, as vLLM's oneDNN path does at load time. Other weights (MoE experts, quantized layers) keep vLLM's
   kernels and are not covered.
+- vLLM's own CPU kernel library. vLLM picks `_C` (AVX-512 + bf16), `_C_AVX512` or `_C_AVX2` and its
+  attention's instruction set from torch's CPU-feature probes, which read the hardware, not
+  ATEN_CPU_CAPABILITY; so every vLLM process, switch on or off, sees those probes as the kernel path
+  allows (`hold_vllm_to_path`), and an AVX-512 machine held to avx2 runs what an AVX2 machine runs
+  (measured: without it, 0 of 8 of the LLM's golden outputs matched the avx2 column). vLLM has no
+  library below AVX2, so on x86 the generic path runs `_C_AVX2` too.
 - CPU attention split-KV. `VLLM_CPU_ATTN_SPLIT_KV` lets the attention scheduler cut a decode
   request's KV range into pieces sized from the whole step's workload, which changes the
   reduction order with the batch; it is turned off.
@@ -52,16 +58,56 @@ def switched_on(environ: Any = None) -> bool:
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: runs in every vLLM process, at most once each."""
-    if not switched_on():
-        return
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return  # CUDA engines use vLLM's own VLLM_BATCH_INVARIANT mode (see stages.llm.settings)
+    hold_vllm_to_path()
+    if not switched_on():
+        return
     # The attention metadata builder reads this on every step; a value given explicitly
     # (the audit's split-kv ablation) is kept.
     envs.set_default("VLLM_CPU_ATTN_SPLIT_KV", "0")
     _patch_gemm_dispatch()
+
+
+#: torch's CPU-feature probes vLLM reads to choose its kernel library and attention ISA, and the paths on which
+#: each may answer from the hardware. AMX is no path's: an AMX machine must compute what its path's machines do.
+_PROBES_ALLOWED_ON = {
+    "_is_avx512_supported": {"avx512"},
+    "_is_avx512_bf16_supported": {"avx512"},
+    "_is_amx_tile_supported": set(),
+    "_is_amx_fp16_supported": set(),
+}
+#: The library vLLM loads on each path (x86); vllm.platforms.cpu's import_kernels chooses by the probes above.
+VLLM_LIBRARY = {"avx512": "_C", "avx2": "_C_AVX2", "generic": "_C_AVX2"}
+
+
+def hold_vllm_to_path() -> None:
+    """Make the probes above say False where this process's kernel path does not allow them; before vLLM
+    imports its kernels (plugins load first in the engine core and in workers)."""
+    import torch
+
+    from contracts.cpu import cpu_isa
+
+    isa = cpu_isa()
+    for probe, paths in _PROBES_ALLOWED_ON.items():
+        if isa not in paths and hasattr(torch.cpu, probe):
+            setattr(torch.cpu, probe, _false)
+
+
+def _false() -> bool:
+    return False
+
+
+def vllm_library() -> str | None:
+    """The vLLM kernel library this process mapped (`_C`, `_C_AVX512`, `_C_AVX2`), None before it loads one."""
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError:
+        return None
+    names = {line.rsplit("/", 1)[-1].split(".", 1)[0] for line in maps.splitlines() if "/vllm/_C" in line}
+    return next(iter(names)) if len(names) == 1 else ",".join(sorted(names)) or None
 
 
 def _patch_gemm_dispatch() -> None:
@@ -141,6 +187,7 @@ def process_report() -> dict:
         "torch_threads": torch.get_num_threads(),
         "switch": switched_on(),
         "attention_split_kv": envs.read("VLLM_CPU_ATTN_SPLIT_KV"),
+        "vllm_library": vllm_library(),
         "gemm_dispatch_patched": _state["patched"],
         "rerouted_linear_layers": len(_state["rerouted"]),
         "stock_gemm_layers": len(_state["kept"]),

@@ -41,6 +41,16 @@ def to_generation(final) -> Generation:
     )
 
 
+def _path_libraries() -> set[str | None]:
+    """The vLLM kernel libraries a worker on this process's kernel path may have loaded (None: not x86)."""
+    import platform
+
+    from contracts.cpu import cpu_isa
+    from stages.kernels.vllm_cpu import VLLM_LIBRARY
+
+    return {VLLM_LIBRARY[cpu_isa()]} if platform.machine() in ("x86_64", "AMD64") else {None, "_C"}
+
+
 class LLMEngine:
     """One vLLM AsyncLLM engine, configured by an `LLMStageConfig` and the batch-invariance switch.
 
@@ -97,8 +107,9 @@ class LLMEngine:
     def _workers_without_kernels(self) -> tuple[list[dict], str]:
         """The worker reports that lack what invariance needs, and a hint at why."""
         if self.device == "cpu":
-            missing = [r for r in self.worker_reports if not (r["kernels"]["installed"] and r["gemm_dispatch_patched"])]
-            return missing, "is the omniserve package installed, so vLLM finds its plugin?"
+            missing = [r for r in self.worker_reports if not (r["kernels"]["installed"] and r["gemm_dispatch_patched"]
+                                                              and r["vllm_library"] in _path_libraries())]
+            return missing, "is the omniserve package installed, so vLLM finds its plugin (and its kernel path)?"
         missing = [r for r in self.worker_reports if not r["vllm_batch_invariant_mode"]]
         return missing, "vLLM's workers did not enter VLLM_BATCH_INVARIANT mode"
 

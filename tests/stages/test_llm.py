@@ -1,14 +1,16 @@
 """The LLM stage without a running engine: embedded model and its enhancement, engine settings, plugin, audit helpers."""
 
+import functools
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from contracts import LLMSamplingParams
+from contracts import LLMSamplingParams, cpu
 from contracts.config import LLMStageConfig
 from contracts.results import Generation
 from stages.audit.llm import NEIGHBOURS, batch_orders, count_differences
@@ -216,9 +218,9 @@ def test_llm_every_embedded_llm_in_the_registry_has_a_recipe():
 _PLUGIN_PROBE = """
 import json, os, sys, torch
 os.environ["OMNISERVE_VLLM_CPU_INVARIANT"] = sys.argv[1]
-from vllm.model_executor.layers import utils
 from stages.kernels import vllm_cpu
-vllm_cpu.register()
+vllm_cpu.register()  # first, as in vLLM's engine core: plugins load before the model's modules import vLLM's ops
+from vllm.model_executor.layers import utils
 torch.manual_seed(0)
 layer = torch.nn.Module()
 # The control model's down projection (K = 2816): oneDNN computes one row (a solo decode
@@ -232,9 +234,13 @@ print(json.dumps({"equal": all(torch.equal(solo, r) for r in rows), "report": vl
 """
 
 
-def _probe(switch: str) -> dict:
+@functools.cache
+def _probe(switch: str, isa: str | None = None) -> dict:
+    """The probe in a fresh interpreter, on this session's kernel path or on `isa` (OMNISERVE_CPU_ISA)."""
+    env = dict(os.environ) if isa is None else cpu.path_environment(isa, os.environ)
     done = subprocess.run(
-        [sys.executable, "-c", _PLUGIN_PROBE, switch], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _PLUGIN_PROBE, switch], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -250,13 +256,28 @@ def test_llm_plugin_reroutes_vllm_cpu_linear_through_the_invariant_kernels():
 def test_llm_plugin_control_stock_vllm_cpu_linear_varies_with_rows_and_is_left_alone():
     off = _probe("0")
     assert not off["report"]["gemm_dispatch_patched"] and not off["report"]["kernels"]["installed"]
-    # The control: without the plugin, vLLM's GEMM may give the same row different bits. Whether it does
-    # depends on the CPU (oneDNN's kernel choice); where it does not, this check proves nothing, and says so.
-    if off["equal"]:
-        pytest.skip(
-            f"measured: stock vLLM CPU linear (K=2816, N=1024, {off['report']['torch_threads']} thread(s)) gave "
-            "row 0 the same bits for 1..8 rows on this CPU, so the control does not vary here"
-        )
+    # The control: without the plugin, vLLM's GEMM may give the same row different bits. Whether it does depends
+    # on the CPU and the kernel path (oneDNN's kernel choice), so every path this CPU runs is tried; on the first
+    # whose control varies, the plugin must make the row's bits equal. Where none varies this proves nothing.
+    tried = {}
+    for isa in cpu.supported_isas():
+        if not _probe("0", isa)["equal"]:
+            assert _probe("1", isa)["equal"], f"on the {isa} path the control varies and the plugin did not fix it"
+            return
+        tried[isa] = "same bits"
+    pytest.skip(
+        f"measured: stock vLLM CPU linear (K=2816, N=1024, {off['report']['torch_threads']} thread(s)) gave row 0 "
+        f"the same bits for 1..8 rows on every path this CPU runs ({tried}), so the control does not vary here"
+    )
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="vLLM's per-ISA CPU libraries are x86's")
+def test_llm_plugin_holds_vllms_own_kernel_library_to_the_kernel_path_switch_on_or_off():
+    # vLLM picks its library from the CPU's hardware flags; on an AVX-512 machine held to avx2 it loaded the
+    # AVX-512 one and the LLM's golden outputs differed from an AVX2 machine's (0 of 8 matched), measured.
+    loaded = {(switch, isa): _probe(switch, isa)["report"]["vllm_library"]
+              for isa in cpu.supported_isas() for switch in ("0", "1")}
+    assert loaded == {(switch, isa): vllm_cpu.VLLM_LIBRARY[isa] for switch, isa in loaded}
 
 
 def test_llm_plugin_is_registered_as_a_vllm_general_plugin():
