@@ -2,7 +2,7 @@
 
 An audit (`omniserve audit --record`) that saw its control vary and 0 differing elements with the kernels on
 writes one `ScopeRecord`: the `Configuration` it ran (everything that can change a kernel's arithmetic: model
-and weights, dtype, device and its ISA flags or compute capability, library versions, the kernels' source,
+and weights, dtype, device and its kernel path or compute capability, library versions, the kernels' source,
 thread count, the engine settings that matter) plus what it covered (batch sizes, image sizes, orderings).
 Records live in the repository (`SHIPPED_RECORDS`, for the configurations we ship) and in the user's cache
 (`user_records()`, for audits run on the user's own machine).
@@ -46,7 +46,7 @@ class Configuration(_Data):
     weights: str  # sha256 of the weight files' bytes ("unhashed:<id>" when they are not local files)
     dtype: str
     device: str  # "cpu", "cuda"
-    hardware: list[str]  # CPU: the ISA flags our kernels and ATen dispatch on; CUDA: compute capability
+    hardware: list[str]  # CPU: the kernel path and ATen's level (["path:avx2", "aten:AVX2"]); CUDA: compute capability
     versions: dict[str, str | None]  # torch, and diffusers or vllm
     kernels: str  # digest of the batch-invariant kernels' source
     torch_threads: int
@@ -68,6 +68,10 @@ class AuditResult(_Data):
     control_varied: bool  # kernels off, some co-batched run differed from solo: the audit can fail
     invariant_runs: int
     differing_with_kernels_on: int  # elements, over all kernels-on runs
+    # Set where the control varied only at another thread count than the configuration's (whose own control never
+    # varied): the kernels-on runs at both counts gave the same bits, run for run, so the configuration computes
+    # exactly what was proven invariant against a varying control.
+    control_threads: int | None = None
 
 
 class ScopeRecord(_Data):
@@ -103,8 +107,8 @@ GOLDEN_TABLE = SHIPPED_RECORDS.parent / "golden.json"
 
 
 class GoldenColumn(_Data):
-    """What canonical requests give on one configuration; `hardware` names the kernel path and ATen's level only
-    (["path:avx2", "aten:AVX2"]), since any machine that runs that path should give these bits."""
+    """What canonical requests give on one configuration (on CPU, one kernel path: any machine held to it must
+    give these bits)."""
 
     configuration: Configuration
     digests: dict[str, str]  # case name -> sha256 of its output
@@ -240,12 +244,12 @@ def differences(mine: Configuration, record: ScopeRecord, *, batch_size: int, si
 
 def match(configuration: Configuration, records: Sequence[ScopeRecord], *, batch_size: int,
           size: str | None = None, self_check: SelfCheck | None = None) -> Verdict:
-    """Verified when a record covers `configuration` at batch sizes 1..`batch_size` (and `size`); else the
-    nearest record's differences (the fewest).
+    """Verified when a record covers `configuration` at batch sizes 1..`batch_size` (and `size`) and this replica's
+    self-check, where it ran, reproduced its golden column; else the nearest record's differences (the fewest).
 
-    A record made on another machine covers this one too when this replica's self-check reproduced its golden
-    column: the record proves the configuration invariant, the self-check that this machine computes the same
-    bits as the machine of the golden table; then the CPU's flags are no longer a difference."""
+    On CPU a configuration names the kernel path, not the CPU's flags (stages/scope.py), so a record made on another
+    machine of the same path covers this one: the record proves the configuration invariant, the self-check that
+    this machine computes that path's bits. A self-check that differs leaves the replica unverified whatever covers it."""
     candidates = [(differences(configuration, r, batch_size=batch_size, size=size), r) for r in records
                   if r.configuration.stage == configuration.stage]
     if not candidates:
@@ -253,14 +257,7 @@ def match(configuration: Configuration, records: Sequence[ScopeRecord], *, batch
     found, nearest = min(candidates, key=lambda pair: len(pair[0]))
     if self_check is not None and self_check.total and self_check.differing:  # this machine computes other bits
         return Verdict(verified=False, differences=[*found, self_check.reason])
-    if not found:
-        return Verdict(verified=True, record=nearest.name, by=f"audit record {nearest.name}")
-    if self_check is not None and self_check.verified:
-        for record in records:
-            if record.configuration.stage == configuration.stage and not differences(
-                    configuration.model_copy(update={"hardware": record.configuration.hardware}), record,
-                    batch_size=batch_size, size=size):
-                return Verdict(verified=True, record=record.name, by=f"{self_check.reason}; audit record {record.name}")
-    if self_check is not None:
-        found = [*found, self_check.reason]
-    return Verdict(verified=False, differences=found, record=None)
+    if found:
+        return Verdict(verified=False, differences=found)
+    by = f"audit record {nearest.name}"
+    return Verdict(verified=True, record=nearest.name, by=f"{self_check.reason}; {by}" if self_check and self_check.verified else by)

@@ -53,7 +53,7 @@ def _llm_report(args: argparse.Namespace, command: list[str]) -> dict:
         run_llm_audit(
             model, kernels=args.kernels, targets=args.targets, batch_sizes=args.batch_sizes, orderings=args.orderings,
             samplings=args.samplings, max_tokens=args.max_tokens, ablation=args.ablation, command=command, log=_log,
-            dtype=args.dtype, torch_threads=args.torch_threads,
+            dtype=args.dtype, torch_threads=args.torch_threads, control_threads=args.control_threads,
         )
         for model in _audited_models(args) or [None]
     ]
@@ -213,6 +213,9 @@ def _audit_parser(commands) -> None:
     llm.add_argument("--orderings", type=_words, default=list(LLM_ORDERINGS), help=f"of {','.join(LLM_ORDERINGS)}")
     llm.add_argument("--samplings", type=_words, default=list(SAMPLINGS), help=f"of {','.join(SAMPLINGS)}")
     llm.add_argument("--max-tokens", type=int, default=16)
+    llm.add_argument("--control-threads", type=int, default=None,
+                     help="run off and on again at this thread count too: where the control never varies at "
+                     "--torch-threads, a record may rest on one that varies here if the kernels-on bits are equal")
     llm.add_argument("--ablation", choices=sorted(ABLATIONS), help="kernels on, one engine setting changed")
     parser.set_defaults(run=audit)
 

@@ -1,12 +1,12 @@
 """Convolution and group_norm with the invariant kernels vs stock, per CPU path (issue 21, item 6).
 
-    .venv/bin/python scripts/bench_conv_norm.py --json docs/evidence/bench-conv-norm-avx2.json
+    .venv/bin/python scripts/bench_conv_norm.py --threads 1,2 --json docs/evidence/bench-conv-norm-avx2.json
     OMNISERVE_CPU_ISA=generic .venv/bin/python scripts/bench_conv_norm.py ...
 
 At the tiny UNet's and VAE's shapes (batch 8, 64x64 images: latents 8x8, VAE up to 64x64), float32 and bfloat16,
 each input in the layout the pipeline hands that layer. Stock and invariant alternate within every repeat;
-the ratio is time(stock) / time(invariant), paired per repeat (>= 1: the invariant op is as fast). One torch thread,
-the thread's CPU time as the clock (other load on a shared box barely moves it).
+the ratio is time(stock) / time(invariant), paired per repeat (>= 1: the invariant op is as fast). At one torch
+thread the clock is the thread's CPU time (other load on a shared box barely moves it), at more the wall clock.
 """
 
 from __future__ import annotations
@@ -40,22 +40,25 @@ def _layout(x, layout: str):
     return x.contiguous(memory_format=torch.channels_last) if layout == "last" else x.contiguous()
 
 
-def _time(fn, calls: int) -> float:
-    start = time.thread_time()
+def _time(fn, calls: int, threads: int) -> float:
+    """Seconds per call: one thread's CPU time (barely moved by other load on a shared box); with several threads
+    the wall clock, since the other threads' work is not this thread's."""
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.thread_time() - start) / calls
+    return (clock() - start) / calls
 
 
-def _point(fn, repeats: int) -> dict:
+def _point(fn, repeats: int, threads: int = 1) -> dict:
     fn()
-    calls = max(1, min(200, int(0.05 / max(_time(fn, 1), 1e-6))))
+    calls = max(1, min(200, int(0.05 / max(_time(fn, 1, threads), 1e-6))))
     stock, ours = [], []
     for _ in range(repeats):
         disable_batch_invariant_kernels()
-        stock.append(_time(fn, calls))
+        stock.append(_time(fn, calls, threads))
         enable_batch_invariant_kernels("cpu")
-        ours.append(_time(fn, calls))
+        ours.append(_time(fn, calls, threads))
     disable_batch_invariant_kernels()
     ratios = sorted(s / o for s, o in zip(stock, ours))
     return {"stock_ms": statistics.median(stock) * 1e3, "invariant_ms": statistics.median(ours) * 1e3,
@@ -65,27 +68,31 @@ def _point(fn, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", default="1", help="torch thread counts, e.g. 1,2")
+    parser.add_argument("--ops", default="conv,norm", help="of conv,norm")
     parser.add_argument("--json")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    threads, ops = [int(t) for t in args.threads.split(",")], set(args.ops.split(","))
     enable_batch_invariant_kernels("cpu")  # the library built and loaded before any timing
-    gen = torch.Generator().manual_seed(0)
     rows = []
     with torch.inference_mode():
-        for dtype in (torch.float32, torch.bfloat16):
-            for name, shape, weight_shape, layout in CONVS:
-                x = _layout(torch.randn(shape, generator=gen).to(dtype), layout)
-                w = torch.randn(weight_shape, generator=gen).to(dtype)
-                rows.append({"op": f"{name} {layout}", "dtype": str(dtype).split(".")[1],
-                             **_point(lambda x=x, w=w: F.conv2d(x, w, padding=1), args.repeats)})
-            for name, shape, layout in NORMS:
-                x = _layout(torch.randn(shape, generator=gen).to(dtype), layout)
-                rows.append({"op": name, "dtype": str(dtype).split(".")[1],
-                             **_point(lambda x=x: F.group_norm(x, 32), args.repeats)})
-    report = {"path": native.loaded_isa(), "aten": torch.backends.cpu.get_cpu_capability(), "threads": 1,
+        for count in threads:
+            torch.set_num_threads(count)
+            gen = torch.Generator().manual_seed(0)
+            for dtype in (torch.float32, torch.bfloat16):
+                common = {"dtype": str(dtype).split(".")[1], "threads": count}
+                for name, shape, weight_shape, layout in CONVS if "conv" in ops else ():
+                    x = _layout(torch.randn(shape, generator=gen).to(dtype), layout)
+                    w = torch.randn(weight_shape, generator=gen).to(dtype)
+                    rows.append({"op": f"{name} {layout}", **common,
+                                 **_point(lambda x=x, w=w: F.conv2d(x, w, padding=1), args.repeats, count)})
+                for name, shape, layout in NORMS if "norm" in ops else ():
+                    x = _layout(torch.randn(shape, generator=gen).to(dtype), layout)
+                    rows.append({"op": name, **common, **_point(lambda x=x: F.group_norm(x, 32), args.repeats, count)})
+    report = {"path": native.loaded_isa(), "aten": torch.backends.cpu.get_cpu_capability(), "threads": threads,
               "repeats": args.repeats, "rows": rows}
     for row in rows:
-        print(f"{report['path']:8} {row['dtype']:9} {row['op']:32} stock {row['stock_ms']:8.3f} ms  ours "
+        print(f"{report['path']:8} t{row['threads']} {row['dtype']:9} {row['op']:32} stock {row['stock_ms']:8.3f} ms  ours "
               f"{row['invariant_ms']:8.3f} ms  stock/ours {row['ratio_median']:.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})")
     if args.json:
         with open(args.json, "w") as out:

@@ -31,23 +31,6 @@ NEIGHBOURS = (
 EDIT = ("a purple triangle on a grey background", {"seed": 5, "num_inference_steps": 4, "strength": 0.6, **SIZE})
 
 
-def path_hardware(device: str) -> list[str]:
-    """What a golden column is keyed by: on CPU the kernel path and ATen's level, not every CPU flag."""
-    import torch
-
-    from stages.scope import hardware
-
-    if device.startswith("cuda"):
-        return hardware(device)
-    from stages.kernels.native import cpu_isa
-
-    return [f"path:{cpu_isa()}", f"aten:{torch.backends.cpu.get_cpu_capability()}"]
-
-
-def golden_configuration(configuration: Configuration) -> Configuration:
-    return configuration.model_copy(update={"hardware": path_hardware(configuration.device)})
-
-
 def _digest(image: Any) -> str:
     import numpy as np
 
@@ -90,11 +73,10 @@ def diffusion_digests(renderer, engine) -> dict[str, str]:
 
 def diffusion_self_check(renderer, engine, configuration: Configuration, columns=None) -> SelfCheck:
     """Render the canonical requests and compare them with this configuration's golden column."""
-    mine = golden_configuration(configuration)
     columns = load_golden() if columns is None else columns
-    if not any(c.configuration == mine for c in columns):
-        return compare_golden(mine, {}, columns)  # no column: nothing to render
-    return compare_golden(mine, diffusion_digests(renderer, engine), columns)
+    if not any(c.configuration == configuration for c in columns):
+        return compare_golden(configuration, {}, columns)  # no column: nothing to render
+    return compare_golden(configuration, diffusion_digests(renderer, engine), columns)
 
 
 # --- the table's driver: `omniserve golden [--record]` and tests/test_golden.py --------------------------------
@@ -121,7 +103,7 @@ def diffusion_column(dtype: str):
     if digests["solo"] != digests["co-batched target"]:  # the cases themselves must be invariant to be golden
         raise RuntimeError(f"{dtype}: the co-batched target differs from its solo render; nothing golden here")
     cpu = " ".join(sorted({"avx2", "fma", "avx512f", "avx512_bf16"} & cpu_flags()))
-    return GoldenColumn(configuration=golden_configuration(diffusion_configuration(renderer, "step")), digests=digests,
+    return GoldenColumn(configuration=diffusion_configuration(renderer, "step"), digests=digests,
                         made={"command": "omniserve golden --record", "date": datetime.date.today().isoformat(),
                               "cpu_flags": cpu})
 

@@ -19,9 +19,6 @@ from contracts.errors import InvalidRequestError
 from contracts.scope import (Configuration, OutsideVerifiedScopeError, SelfCheck, Verdict, load_records, match,
                              resolve_strict)
 
-#: CPU features that change which code the kernels and ATen/oneDNN run (Linux /proc/cpuinfo names).
-CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
-                "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 #: vLLM engine arguments that change a request's arithmetic or its batch (the rest: memory, logging, ports).
 LLM_ENGINE_SETTINGS = ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "block_size",
                        "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -37,15 +34,18 @@ def _version(name: str) -> str | None:
 
 
 def hardware(device: str) -> list[str]:
-    """CUDA: the compute capability and name; CPU: ATen's dispatch level and the features in CPU_FEATURES."""
+    """CUDA: the compute capability and name. CPU: the kernel path and ATen's level (["path:avx2", "aten:AVX2"]), not
+    the CPU's flags: every machine held to one path computes the same bits (measured: an AVX-512 machine held to
+    avx2 reproduced an AVX2 machine's golden table, both stages), and each replica checks that of itself at
+    start-up against the golden table (stages/golden.py)."""
     import torch
 
     if device.startswith("cuda"):
         major, minor = torch.cuda.get_device_capability()
         return [f"sm_{major}{minor}", torch.cuda.get_device_name()]
-    from contracts.cpu import cpu_flags
+    from contracts.cpu import cpu_isa
 
-    return [f"aten:{torch.backends.cpu.get_cpu_capability()}", *sorted(set(CPU_FEATURES) & cpu_flags())]
+    return [f"path:{cpu_isa()}", f"aten:{torch.backends.cpu.get_cpu_capability()}"]
 
 
 def kernels_digest() -> str:

@@ -209,10 +209,15 @@ def _plan(batch_sizes: Sequence[int], orderings: Sequence[str]) -> list[tuple[st
 
 def _record(base: dict, order: list[int], batch: list, results: list[Generation], reference: Generation) -> dict:
     """One run's row: how the target's co-batched result differs from its solo reference."""
+    from stages.llm.golden import generation_digest
+
     mine = results[order.index(-1)]
     tokens, logprobs, total = count_differences(reference, mine)
     return {
         **base,
+        # The target's bits, to compare one run with the same run at another thread count (stages/audit/record.py).
+        "target_digest": generation_digest(mine),
+        "reference_digest": generation_digest(reference),
         "batch_size": len(order),
         "differing_elements": tokens + logprobs,
         "total_elements": total,
@@ -247,7 +252,8 @@ async def audit_engine(
     if greedy_only:
         samplings = [s for s in samplings if s == "greedy"]
     runs = []
-    threads = "/".join(map(str, sorted({r.get("torch_threads") for r in engine.worker_reports})))
+    worker_threads = sorted({r.get("torch_threads") for r in engine.worker_reports})
+    threads = "/".join(map(str, worker_threads))
     label = kernels + (f"/{ablation}" if ablation else "")
     for target in targets:
         for sampling in samplings:
@@ -262,7 +268,7 @@ async def audit_engine(
                     # What the evidence table groups by, beside stage, model, dtype and kernels.
                     "detail": f"{target} prompt, {sampling}, {threads} worker thread(s)"
                     + (f", ablation {ablation}" if ablation else ""),
-                    "target": target, "ordering": ordering, "sampling": sampling,
+                    "target": target, "ordering": ordering, "sampling": sampling, "torch_threads": worker_threads[-1],
                 }
                 run = {**_record(base, order, batch, results, reference), "seconds": round(time.monotonic() - started, 2)}
                 runs.append(run)
@@ -285,28 +291,37 @@ def audit_config(model: str | None, setting: str, *, dtype: str, torch_threads: 
     )
 
 
-async def _run(model: str | None, kernels: Sequence[str], ablation: str | None, engine_config: dict, audit: dict, log):
+async def _run(model: str | None, kernels: Sequence[str], ablation: str | None, engine_config: dict, audit: dict, log,
+               control_threads: int | None = None):
     from stages.audit.record import scope_entry
     from stages.llm import LLMEngine
     from stages.scope import llm_configuration
 
     runs, engines, scope = [], {}, []
-    for setting in kernels:
-        engine = LLMEngine(audit_config(model, setting, **engine_config))
+    # The audited configuration's engines, then (control_threads) the same settings at another thread count: where
+    # the control never varies at the audited count, a record may rest on one that varies at another
+    # (stages/audit/record.py), the kernels-on bits being equal at both.
+    plan = [(setting, engine_config) for setting in kernels]
+    if control_threads is not None:
+        plan += [(setting, {**engine_config, "torch_threads": control_threads}) for setting in kernels]
+    for index, (setting, config) in enumerate(plan):
+        audited = index < len(kernels)
+        engine = LLMEngine(audit_config(model, setting, **config))
         if ablation and setting == "on":
             # Deliberately off the supported path: revert one invariance setting after validation.
             engine.settings.args.update(ABLATIONS[ablation]["args"])
             engine.settings.environment.update(ABLATIONS[ablation]["env"])
         await engine.start()
-        log(f"[llm audit] engine kernels={setting} started in {engine.startup_s} s")
+        log(f"[llm audit] engine kernels={setting} torch_threads={config['torch_threads']} started in {engine.startup_s} s")
         try:
-            if setting == "on":  # the configuration a record of this audit would verify
+            if setting == "on" and audited:  # the configuration a record of this audit would verify
                 detail = {k: audit[k] for k in ("targets", "samplings", "max_tokens")} | {"ablation": ablation}
                 scope.append(scope_entry(engine.model.name, llm_configuration(engine), detail=detail))
             runs += await audit_engine(
                 engine, kernels=setting, ablation=ablation if setting == "on" else None, log=log, **audit
             )
-            engines[setting] = engine.describe().model_dump(mode="json")
+            engines[setting if audited else f"{setting}, {config['torch_threads']} threads"] = (
+                engine.describe().model_dump(mode="json"))
         finally:
             engine.shutdown()
     return runs, engines, scope
@@ -326,8 +341,12 @@ def run_llm_audit(
     log=print,
     dtype: str = "float32",
     torch_threads: int | None = None,
+    control_threads: int | None = None,
 ) -> dict:
     """Run the audit (starts one engine per kernel setting; call under `if __name__ == "__main__":`).
+
+    `control_threads`: run every setting again at that thread count too (a control that may vary where the
+    audited count's does not; see stages/audit/record.py).
 
     Returns {"runs": [...], "summary": {...}, "environment": {...}}; `summary["invariant"]` is the verdict.
     """
@@ -345,7 +364,9 @@ def run_llm_audit(
     audit = {"targets": targets, "batch_sizes": batch_sizes, "orderings": orderings, "samplings": samplings,
              "max_tokens": max_tokens}
     engine_config = {"dtype": dtype, "torch_threads": torch_threads}
-    runs, engines, scope = asyncio.run(_run(model, kernels, ablation, engine_config, audit, log))
+    if control_threads is not None and (torch_threads is None or control_threads == torch_threads):
+        raise ValueError("control_threads needs --torch-threads and must differ from it")
+    runs, engines, scope = asyncio.run(_run(model, kernels, ablation, engine_config, audit, log, control_threads))
     # The model runs in vLLM's worker: its engine arguments and kernel reports, per setting.
     env["engines"] = engines
     env["seconds"] = round(time.time() - started, 1)

@@ -58,20 +58,16 @@ async def llm_digests(engine) -> dict[str, str]:
 
 async def llm_self_check(engine, configuration: Configuration, columns: Sequence[GoldenColumn] | None = None) -> SelfCheck:
     """Run the canonical requests and compare them with this configuration's golden column (none: run nothing)."""
-    from stages.golden import golden_configuration
-
-    mine = golden_configuration(configuration)
     columns = load_golden() if columns is None else columns
-    if not any(c.configuration == mine for c in columns):
-        return compare_golden(mine, {}, columns)
-    return compare_golden(mine, await llm_digests(engine), columns)
+    if not any(c.configuration == configuration for c in columns):
+        return compare_golden(configuration, {}, columns)
+    return compare_golden(configuration, await llm_digests(engine), columns)
 
 
 async def llm_golden_column(engine, configuration: Configuration) -> GoldenColumn:
     """This machine's column for the recorder (`contracts.scope.write_golden`): the digests, when and on what CPU."""
     from stages.audit.report import environment
-    from stages.golden import golden_configuration
 
     digests = await llm_digests(engine)
     made = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu": environment([])["hardware"]["cpu"]}
-    return GoldenColumn(configuration=golden_configuration(configuration), digests=digests, made=made)
+    return GoldenColumn(configuration=configuration, digests=digests, made=made)

@@ -4,6 +4,7 @@ import pytest
 
 from contracts.scope import (
     AuditResult,
+    SelfCheck,
     Configuration,
     Coverage,
     OutsideVerifiedScopeError,
@@ -16,7 +17,7 @@ from contracts.scope import (
 
 AUDITED = Configuration(
     stage="diffusion", model="omniserve/tiny-sd-unet", weights="ab" * 32, dtype="float32", device="cpu",
-    hardware=["aten:AVX512", "avx512f"], versions={"torch": "2.13.0+cpu", "diffusers": "0.42.1"}, kernels="k1",
+    hardware=["path:avx512", "aten:AVX512"], versions={"torch": "2.13.0+cpu", "diffusers": "0.42.1"}, kernels="k1",
     torch_threads=1, engine={"batching": "step"},
 )
 
@@ -45,11 +46,11 @@ def test_unverified_names_each_difference_of_the_nearest_record():
 
 def test_versions_engine_settings_and_hardware_are_part_of_the_configuration():
     mine = AUDITED.model_copy(update={"versions": {"torch": "2.14.0", "diffusers": "0.42.1"},
-                                      "engine": {"batching": "request"}, "hardware": ["aten:AVX512", "amx_tile"]})
+                                      "engine": {"batching": "request"}, "hardware": ["path:avx2", "aten:AVX2"]})
     differences = match(mine, [record()], batch_size=8, size="64x64").differences
     assert "torch 2.14.0 not audited (audited 2.13.0+cpu)" in differences
     assert "engine setting batching request not audited (audited step)" in differences
-    assert any(d.startswith("hardware aten:AVX512,amx_tile not audited") for d in differences)
+    assert "hardware path:avx2,aten:AVX2 not audited (audited path:avx512,aten:AVX512)" in differences
 
 
 def test_a_size_or_batch_bound_beyond_the_audited_ones_is_outside_the_scope():
@@ -102,3 +103,28 @@ def test_the_strict_refusal_names_the_differences_and_survives_pickling():
     error = pickle.loads(pickle.dumps(OutsideVerifiedScopeError("llm", ["dtype bfloat16 not audited (audited float32)"])))
     assert error.differences == ["dtype bfloat16 not audited (audited float32)"]
     assert "llm stage is strict" in str(error) and "dtype bfloat16 not audited" in str(error)
+
+
+# --- the self-check: a replica's golden outputs against its path's column --------------------------------------
+
+
+def test_a_covering_record_and_a_reproduced_self_check_verify_and_say_both():
+    check = SelfCheck(path="path:avx512,aten:AVX512", total=6)
+    verdict = match(AUDITED, [record()], batch_size=8, size="64x64", self_check=check)
+    assert verdict.verified
+    assert verdict.by == f"self-check reproduced 6 of 6 golden outputs on path:avx512,aten:AVX512; audit record {record().name}"
+
+
+def test_a_self_check_that_differs_leaves_a_covered_replica_unverified_naming_the_cases():
+    check = SelfCheck(path="path:avx512,aten:AVX512", total=6, differing=["edit", "solo"])
+    verdict = match(AUDITED, [record()], batch_size=8, size="64x64", self_check=check)
+    assert not verdict.verified and verdict.differences == [
+        "self-check reproduced 4 of 6 golden outputs on path:avx512,aten:AVX512; differing: edit, solo"]
+
+
+def test_a_record_of_another_kernel_path_covers_nothing_even_where_the_self_check_reproduced():
+    mine = AUDITED.model_copy(update={"hardware": ["path:avx2", "aten:AVX2"]})
+    verdict = match(mine, [record()], batch_size=8, size="64x64",
+                    self_check=SelfCheck(path="path:avx2,aten:AVX2", total=6))
+    assert not verdict.verified
+    assert verdict.differences == ["hardware path:avx2,aten:AVX2 not audited (audited path:avx512,aten:AVX512)"]

@@ -28,7 +28,6 @@ from contracts.config import LLMStageConfig
 from contracts.scope import load_golden, write_golden
 import stages.llm.golden as golden
 import stages.llm.stage as stage_module
-from stages.golden import golden_configuration
 from stages.llm import LLMStage
 from stages.scope import llm_configuration, llm_scope
 
@@ -57,7 +56,6 @@ async def main():
                             "verdict": scope.verdict.model_dump()}
         configuration = llm_configuration(engine)
         out["configuration"] = configuration.model_dump(mode="json")
-        out["golden_configuration"] = golden_configuration(configuration).model_dump(mode="json")
         out["max_num_seqs"] = engine.config.max_num_seqs
         runs = []
         for _ in range(2):
@@ -114,7 +112,7 @@ def test_the_replica_starts_without_a_column_and_its_self_check_then_renders_not
 
 
 def test_the_column_is_keyed_by_the_kernel_path_and_the_self_check_verifies_or_names_what_differs(replica):
-    mine = Configuration.model_validate(replica["golden_configuration"])
+    mine = Configuration.model_validate(replica["configuration"])
     assert mine.hardware[0].startswith("path:") and mine.hardware[1].startswith("aten:")
     column = GoldenColumn.model_validate(replica["column"])
     assert column.configuration == mine and column.digests == replica["runs"][0]
@@ -130,30 +128,32 @@ def test_the_column_is_keyed_by_the_kernel_path_and_the_self_check_verifies_or_n
     assert "differing: seeded co-batched target" in check.reason
 
 
-def other_machines_record(configuration: Configuration, batch_sizes) -> ScopeRecord:
-    avx512 = ["aten:AVX512", "avx2", "avx512bw", "avx512dq", "avx512f", "avx512vl", "fma"]
+def audit_record(configuration: Configuration, batch_sizes) -> ScopeRecord:
+    """A valid record of `configuration`, as an audit on any machine of its kernel path would write it."""
     return ScopeRecord(
-        configuration=configuration.model_copy(update={"hardware": avx512}),
+        configuration=configuration,
         coverage=Coverage(batch_sizes=list(batch_sizes), orderings=["target-first", "target-last"]),
         result=AuditResult(control_runs=10, control_varied=True, invariant_runs=10, differing_with_kernels_on=0),
+        audited={"cpu": "another machine", "cpu_flags": "avx avx2 avx512f fma"},
     )
 
 
-def test_another_machines_record_covers_the_replica_only_with_its_self_check(replica):
+def test_a_record_of_the_replicas_path_covers_it_with_its_self_check_and_a_differing_check_undoes_that(replica):
     configuration = Configuration.model_validate(replica["configuration"])
     bound = replica["max_num_seqs"]
-    record = other_machines_record(configuration, range(1, bound + 1))
+    record = audit_record(configuration, range(1, bound + 1))
     column = GoldenColumn.model_validate(replica["column"])
-    mine = Configuration.model_validate(replica["golden_configuration"])
 
-    without = match(configuration, [record], batch_size=bound)
-    assert not without.verified and any(d.startswith("hardware ") for d in without.differences)
-    check = compare_golden(mine, replica["runs"][0], [column])
+    check = compare_golden(configuration, replica["runs"][0], [column])
     verdict = match(configuration, [record], batch_size=bound, self_check=check)
     assert verdict.verified and verdict.record == record.name and "self-check reproduced 8 of 8" in verdict.by
-    differing = compare_golden(mine, {**replica["runs"][0], "greedy solo": "0" * 64}, [column])
+    differing = compare_golden(configuration, {**replica["runs"][0], "greedy solo": "0" * 64}, [column])
     refused = match(configuration, [record], batch_size=bound, self_check=differing)
     assert not refused.verified and "differing: greedy solo" in refused.differences[-1]
+    other_path = audit_record(configuration.model_copy(update={"hardware": ["path:other", "aten:OTHER"]}),
+                              range(1, bound + 1))
+    elsewhere = match(configuration, [other_path], batch_size=bound, self_check=check)
+    assert not elsewhere.verified and any(d.startswith("hardware ") for d in elsewhere.differences)
 
 
 def test_the_self_check_at_start_up_is_a_few_seconds(replica):
