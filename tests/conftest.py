@@ -26,6 +26,14 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 
+def pytest_collection_modifyitems(config, items):
+    """Whole modules to one xdist worker (their module fixtures start once there); the orchestration package's
+    modules that share its app (tests/orchestration/conftest.py: `server`) to one worker together."""
+    for item in items:
+        shared_app = "server" in getattr(item, "fixturenames", ()) and "/orchestration/" in item.nodeid
+        item.add_marker(pytest.mark.xdist_group("orchestration-app" if shared_app else item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def serve_instance():
     """A local Ray instance (2 CPUs) with Serve's HTTP proxy on a free loopback port; yields the base URL.
