@@ -9,7 +9,7 @@ EXTRA  ?= cpu
 PIP_OPTS ?=
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: serve test setup browser toolchains
+.PHONY: serve test setup browser toolchains lint
 # The C++ batch-invariant kernels are compiled once into the user cache (a no-op when cached),
 # so no server or test compiles on its first request.
 setup: $(STAMP)
@@ -30,13 +30,13 @@ endif
 	@touch $@
 
 # Both stages batch-invariant unless the caller set their switches (OMNI_*_BATCH_INVARIANT=0 turns one off).
-# `serve run` in a Ray of its own whose Prometheus endpoint is fixed (orchestration/run.py): by default
+# `serve run` in a Ray of its own whose Prometheus endpoint is fixed (cli/run.py): by default
 # http://127.0.0.1:9464/metrics (contracts/metrics.py); METRICS_PORT=... moves it. Ray's single-machine mode keeps
 # every address it binds on the loopback.
 serve: setup
 	OMNI_LLM_BATCH_INVARIANT=$${OMNI_LLM_BATCH_INVARIANT-1} OMNI_DIFFUSION_BATCH_INVARIANT=$${OMNI_DIFFUSION_BATCH_INVARIANT-1} \
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=$${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER-0} \
-		$(BIN)/python -m orchestration.run $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) examples.omni_app:app
+		$(BIN)/python -m cli.run $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) examples.omni_app:app
 
 # The browser the playground test drives (tests/orchestration/test_playground.py): Debian's chromium and its
 # driver, installed through apt-get when missing and we are root; otherwise we say what to install and the test
@@ -60,7 +60,14 @@ toolchains:
 
 # The kernel and golden tests again on every other kernel path this CPU runs (contracts/cpu.py: avx2 by default,
 # generic and, on AVX-512 machines, avx512 forced), ATen, oneDNN and MKL held to the same level.
-test: setup browser toolchains
+# ruff (lint and format) and mypy over the served packages and the drivers: clean, or make test stops here.
+LINTED := contracts stages orchestration bench cli
+lint: setup
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
+
+test: setup browser toolchains lint
 	$(BIN)/python -m pytest
 	@for isa in $$($(BIN)/python -c "from contracts import cpu; print(*(i for i in cpu.supported_isas() if i != cpu.cpu_isa()))"); do \
 		echo "== kernel path $$isa: tests/stages/test_kernels.py tests/test_golden.py"; \

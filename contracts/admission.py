@@ -14,7 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from .errors import InvalidRequestError, describe_validation_error, invalid_request
 from .invariance import validate_seed_contract
-from .sampling import MAX_INFERENCE_STEPS, ChatMessage, Contract, DiffusionSamplingParams, LLMSamplingParams, Messages, Prompt
+from .sampling import (
+    MAX_INFERENCE_STEPS,
+    ChatMessage,
+    Contract,
+    DiffusionSamplingParams,
+    LLMSamplingParams,
+    Messages,
+    Prompt,
+)
 
 P = TypeVar("P", bound=Contract)
 _PROMPT = TypeAdapter(Prompt)
@@ -75,10 +83,12 @@ class DiffusionLimits(BaseModel):
         if steps is not None and steps > self.max_inference_steps:
             raise InvalidRequestError(
                 f"num_inference_steps must be <= {self.max_inference_steps} on this server, got {steps}",
-                param="num_inference_steps", code="out_of_range",
+                param="num_inference_steps",
+                code="out_of_range",
             )
         if params.height is not None and params.width is not None and params.height * params.width > self.max_pixels:
             raise InvalidRequestError(
                 f"size {params.width}x{params.height} exceeds this server's limit of {self.max_pixels} pixels",
-                param="size", code="out_of_range",
+                param="size",
+                code="out_of_range",
             )

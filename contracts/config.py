@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from .admission import DiffusionLimits
 from .errors import InvalidRequestError
-from .sampling import DiffusionSamplingParams, GuidanceScale, LLMSamplingParams, Side, Steps
+from .sampling import DiffusionSamplingParams, LLMSamplingParams, image_fields, optional_model
 
 
 class _Config(BaseModel):
@@ -110,13 +110,13 @@ class LLMStageConfig(StageConfig):
         return LLMSamplingParams.model_validate({**self.enhance, "seed": seed})
 
 
-class DiffusionDefaults(_Config):
-    """Sampling defaults for fields a request leaves out; None: the model's own."""
-
-    num_inference_steps: Steps | None = None
-    guidance_scale: GuidanceScale | None = None
-    height: Side | None = None
-    width: Side | None = None
+class DiffusionDefaults(
+    optional_model(  # type: ignore[misc]  # a base made by pydantic.create_model
+        "_Defaults", image_fields(default=True), base=_Config, doc="the fields marked `default`"
+    )
+):
+    """Sampling defaults for fields a request leaves out (those DiffusionSamplingParams marks `default`); None: the
+    model's own."""
 
 
 class DiffusionStageConfig(StageConfig, DiffusionLimits):
@@ -147,7 +147,9 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
             raise InvalidRequestError(
                 f"{images} image(s) x {steps} steps x {pixels} pixels exceeds this server's limit of "
                 f"{self.max_request_work} pixel-steps per request; ask for fewer images, steps or pixels",
-                param="n", code="out_of_range")
+                param="n",
+                code="out_of_range",
+            )
 
     @field_validator("defaults", mode="before")
     @classmethod

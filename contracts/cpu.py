@@ -48,8 +48,10 @@ def cpu_isa() -> str:
     if forced is None:
         return next(isa for isa in DEFAULT_ORDER if isa in supported)
     if forced not in supported:
-        raise CpuPathError(f"OMNISERVE_CPU_ISA={forced}: this CPU lacks {sorted(ISA_CPU_FLAGS[forced] - cpu_flags())} "
-                           f"(it runs {', '.join(supported)})")
+        raise CpuPathError(
+            f"OMNISERVE_CPU_ISA={forced}: this CPU lacks {sorted(ISA_CPU_FLAGS[forced] - cpu_flags())} "
+            f"(it runs {', '.join(supported)})"
+        )
     return forced
 
 
@@ -66,4 +68,7 @@ def path_environment(isa: str, environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` for a child process held to path `isa`: OMNISERVE_CPU_ISA and that path's ATen/oneDNN/MKL levels,
     none of another path's left over (tests and benchmarks run one machine's paths side by side)."""
     others = {name for path in ISA_CPU_FLAGS for name in envs.cpu_isa_limits(path)}
-    return {k: v for k, v in environ.items() if k not in others} | {"OMNISERVE_CPU_ISA": isa, **envs.cpu_isa_limits(isa)}
+    return {k: v for k, v in environ.items() if k not in others} | {
+        "OMNISERVE_CPU_ISA": isa,
+        **envs.cpu_isa_limits(isa),
+    }

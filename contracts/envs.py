@@ -95,38 +95,89 @@ class Variable:
 VARIABLES: dict[str, Variable] = {
     v.name: v
     for v in (
-        Variable("OMNI_LLM_BATCH_INVARIANT", None, parse_switch,
-                 "the LLM stage's switch when its config says null; unset: follow VLLM_BATCH_INVARIANT"),
-        Variable("OMNI_DIFFUSION_BATCH_INVARIANT", None, parse_switch,
-                 "the diffusion stage's switch when its config says null; unset: follow VLLM_BATCH_INVARIANT"),
-        Variable("VLLM_BATCH_INVARIANT", None, parse_vllm_bool,
-                 "vLLM's global switch (an integer, as vLLM reads it); each stage follows it unless its own is set"),
-        Variable("OMNISERVE_STRICT_SCOPE", "0", parse_switch,
-                 "a stage whose config says `strict: null` refuses to start with invariance on outside the verified "
-                 "scope (the audit records, contracts/scope.py) when this is on; default off: it reports unverified"),
-        Variable("OMNISERVE_CACHE", None, _path,
-                 "where built models and compiled kernels live (default: $XDG_CACHE_HOME/omniserve)"),
+        Variable(
+            "OMNI_LLM_BATCH_INVARIANT",
+            None,
+            parse_switch,
+            "the LLM stage's switch when its config says null; unset: follow VLLM_BATCH_INVARIANT",
+        ),
+        Variable(
+            "OMNI_DIFFUSION_BATCH_INVARIANT",
+            None,
+            parse_switch,
+            "the diffusion stage's switch when its config says null; unset: follow VLLM_BATCH_INVARIANT",
+        ),
+        Variable(
+            "VLLM_BATCH_INVARIANT",
+            None,
+            parse_vllm_bool,
+            "vLLM's global switch (an integer, as vLLM reads it); each stage follows it unless its own is set",
+        ),
+        Variable(
+            "OMNISERVE_STRICT_SCOPE",
+            "0",
+            parse_switch,
+            "a stage whose config says `strict: null` refuses to start with invariance on outside the verified "
+            "scope (the audit records, contracts/scope.py) when this is on; default off: it reports unverified",
+        ),
+        Variable(
+            "OMNISERVE_CACHE",
+            None,
+            _path,
+            "where built models and compiled kernels live (default: $XDG_CACHE_HOME/omniserve)",
+        ),
         Variable("XDG_CACHE_HOME", None, _path, "the user's cache directory (default: ~/.cache)"),
         Variable("CXX", "c++", _text, "the C++ compiler that builds the batch-invariant CPU kernels"),
-        Variable("OMNISERVE_CPU_ISA", None, _cpu_isa,
-                 "the CPU kernels' path: avx512, avx2 or generic (default: avx2 where the CPU has AVX2 and FMA, else "
-                 "generic); ATen's, oneDNN's and MKL's own dispatch are held to the same level (contracts/cpu.py)"),
-        Variable("ATEN_CPU_CAPABILITY", None, _text,
-                 "ATen's own vector level (default, avx2, avx512); set from OMNISERVE_CPU_ISA, not for users"),
-        Variable("ONEDNN_MAX_CPU_ISA", None, _text,
-                 "oneDNN's highest instruction set; set from OMNISERVE_CPU_ISA, not for users"),
-        Variable("MKL_CBWR", None, _text,
-                 "MKL's reproducible code path; set from OMNISERVE_CPU_ISA, not for users"),
-        Variable("TORCHINDUCTOR_VEC_ISA_OK", None, _text,
-                 "inductor's vector code: off on the generic path (contracts/cpu.py), not for users"),
-        Variable("OMNISERVE_PACKED_WEIGHTS_MB", "2048", _megabytes,
-                 "bound on the CPU kernels' packed copies of weights, per process (0: pack on every call)"),
-        Variable("OMNISERVE_VLLM_CPU_INVARIANT", "0", _flag,
-                 "set by the LLM stage in its engine's processes: 1 turns the vLLM CPU plugin on"),
-        Variable("OMNISERVE_URL", "http://127.0.0.1:8000", _text,
-                 "the server `omniserve generate`, `verify` and `health` talk to (their --url overrides it)"),
-        Variable("VLLM_CPU_ATTN_SPLIT_KV", "1", _not_zero,
-                 "vLLM's CPU attention may split a decode's KV range by the step's workload (0: never)"),
+        Variable(
+            "OMNISERVE_CPU_ISA",
+            None,
+            _cpu_isa,
+            "the CPU kernels' path: avx512, avx2 or generic (default: avx2 where the CPU has AVX2 and FMA, else "
+            "generic); ATen's, oneDNN's and MKL's own dispatch are held to the same level (contracts/cpu.py)",
+        ),
+        Variable(
+            "ATEN_CPU_CAPABILITY",
+            None,
+            _text,
+            "ATen's own vector level (default, avx2, avx512); set from OMNISERVE_CPU_ISA, not for users",
+        ),
+        Variable(
+            "ONEDNN_MAX_CPU_ISA",
+            None,
+            _text,
+            "oneDNN's highest instruction set; set from OMNISERVE_CPU_ISA, not for users",
+        ),
+        Variable("MKL_CBWR", None, _text, "MKL's reproducible code path; set from OMNISERVE_CPU_ISA, not for users"),
+        Variable(
+            "TORCHINDUCTOR_VEC_ISA_OK",
+            None,
+            _text,
+            "inductor's vector code: off on the generic path (contracts/cpu.py), not for users",
+        ),
+        Variable(
+            "OMNISERVE_PACKED_WEIGHTS_MB",
+            "2048",
+            _megabytes,
+            "bound on the CPU kernels' packed copies of weights, per process (0: pack on every call)",
+        ),
+        Variable(
+            "OMNISERVE_VLLM_CPU_INVARIANT",
+            "0",
+            _flag,
+            "set by the LLM stage in its engine's processes: 1 turns the vLLM CPU plugin on",
+        ),
+        Variable(
+            "OMNISERVE_URL",
+            "http://127.0.0.1:8000",
+            _text,
+            "the server `omniserve generate`, `verify` and `health` talk to (their --url overrides it)",
+        ),
+        Variable(
+            "VLLM_CPU_ATTN_SPLIT_KV",
+            "1",
+            _not_zero,
+            "vLLM's CPU attention may split a decode's KV range by the step's workload (0: never)",
+        ),
     )
 }
 
@@ -157,8 +208,12 @@ _ISA_LIMITS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"},
     # Inductor (vLLM compiles a few sampling ops) emits vector code that fails to compile under ATen's default level
     # in torch 2.13 (`at::vec` undeclared: the engine core dies); without vector code it compiles.
-    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE",
-                "TORCHINDUCTOR_VEC_ISA_OK": "0"},
+    "generic": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_CBWR": "COMPATIBLE",
+        "TORCHINDUCTOR_VEC_ISA_OK": "0",
+    },
 }
 
 

@@ -8,6 +8,8 @@ DeploymentHandle call.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -64,7 +66,9 @@ class QueueFullError(OmniError):
     status_code = 503
     error_type = "server_overloaded"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = "queue_full", retry_after_s: int = 1):
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = "queue_full", retry_after_s: int = 1
+    ):
         super().__init__(message, param=param, code=code)
         self.retry_after_s = retry_after_s
 
@@ -79,19 +83,29 @@ def _rebuild_queue_full(message, param, code, retry_after_s):
 # --- pydantic errors, worded for an API client ------------------------------------------------------
 
 # Union members add their type to the location ("seed.int"); the client's field is what matters.
-_UNION_TAG = re.compile(r"^(int|str|float|bool|bytes|none|constrained-\w+|(list|dict|function-\w+|json-or-python)\[.*\])$")
+_UNION_TAG = re.compile(
+    r"^(int|str|float|bool|bytes|none|constrained-\w+|(list|dict|function-\w+|json-or-python)\[.*\])$"
+)
 # Our own validators word their message for the client already.
-_WORDED = {"unsupported_field", "unsupported_value", "invalid_value", "invalid_size", "empty_prompt", "too_deep", "too_many_values"}
+_WORDED = {
+    "unsupported_field",
+    "unsupported_value",
+    "invalid_value",
+    "invalid_size",
+    "empty_prompt",
+    "too_deep",
+    "too_many_values",
+}
 
 
-def _location(error: dict, root: tuple[str, ...]) -> list[str]:
+def _location(error: Mapping[str, Any], root: tuple[str, ...]) -> list[str]:
     loc = [str(part) for part in error.get("loc", ())]
     if tuple(loc[: len(root)]) == root:
-        loc = loc[len(root):]
+        loc = loc[len(root) :]
     return [part for part in loc if not _UNION_TAG.match(part)]
 
 
-def _most_telling(errors: list[dict], root: tuple[str, ...]) -> dict:
+def _most_telling(errors: Sequence[Mapping[str, Any]], root: tuple[str, ...]) -> Mapping[str, Any]:
     """The first error, unless it only says the input is not one union member's type while another member's error
     on the same field says more: a problem inside the value, or not of type (`stop: [""]`: an empty string in a
     list, not "not a string")."""
@@ -106,7 +120,9 @@ def _most_telling(errors: list[dict], root: tuple[str, ...]) -> dict:
     return first
 
 
-def describe_validation_error(errors: list[dict], *, root: tuple[str, ...] = ()) -> tuple[str, str | None, str]:
+def describe_validation_error(
+    errors: Sequence[Mapping[str, Any]], *, root: tuple[str, ...] = ()
+) -> tuple[str, str | None, str]:
     """(message, param, code) for the first problem of a pydantic error list; `root` is a location prefix to drop."""
     first = _most_telling(errors, root)
     loc = _location(first, root)

@@ -14,11 +14,20 @@ import functools
 import json
 import math
 import re
-from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError, invalid_request
@@ -31,8 +40,6 @@ from .sampling import (
     SIDE_MULTIPLE,
     Contract,
     DiffusionSamplingParams,
-    GuidanceScale,
-    Latents,
     LLMSamplingParams,
     Logprobs,
     MaxTokens,
@@ -40,37 +47,35 @@ from .sampling import (
     MinP,
     MinTokens,
     Name,
+    PartialImages,
     Penalty,
     Prompt,
-    PromptText,
     RepetitionPenalty,
-    SchedulerName,
-    Sigmas,
-    Steps,
     StopList,
     StopText,
-    Strength,
     Temperature,
     TopK,
     TopP,
+    image_fields,
+    optional_model,
 )
 from .seeds import Seed
 
 MAX_IMAGES = 8
-#: Previews a streamed image may ask for (OpenAI's bound); fewer arrive when an image has too few steps.
-MAX_PARTIAL_IMAGES = 3
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits only (`\d` would take any script's digits)
 
 
 def parse_size(size: str) -> tuple[int, int]:
-    """"WxH" -> (width, height); each side as DiffusionSamplingParams takes it."""
+    """ "WxH" -> (width, height); each side as DiffusionSamplingParams takes it."""
     match = _SIZE.fullmatch(size)
     if not match:
         raise ValueError(f"size must look like '<width>x<height>', e.g. '64x64', got {size!r}")
     width, height = int(match.group(1)), int(match.group(2))
     for side in (width, height):
         if not MIN_SIDE <= side <= MAX_SIDE or side % SIDE_MULTIPLE:
-            raise ValueError(f"size {size!r}: width and height must be multiples of {SIDE_MULTIPLE} in [{MIN_SIDE}, {MAX_SIDE}]")
+            raise ValueError(
+                f"size {size!r}: width and height must be multiples of {SIDE_MULTIPLE} in [{MIN_SIDE}, {MAX_SIDE}]"
+            )
     return width, height
 
 
@@ -86,7 +91,9 @@ class _Request(BaseModel):
     @classmethod
     def _no_stream(cls, value: bool | None) -> bool | None:
         if value and cls.WHOLE:
-            raise PydanticCustomError("unsupported_value", "stream is not supported: {what} are returned whole", {"what": cls.WHOLE})
+            raise PydanticCustomError(
+                "unsupported_value", "stream is not supported: {what} are returned whole", {"what": cls.WHOLE}
+            )
         return value
 
     @model_validator(mode="before")
@@ -96,16 +103,22 @@ class _Request(BaseModel):
             return data
         for name, why in cls.UNSUPPORTED.items():
             if data.get(name) is not None:
-                raise PydanticCustomError("unsupported_field", "{name} is not supported: {why}", {"name": name, "why": why})
+                raise PydanticCustomError(
+                    "unsupported_field", "{name} is not supported: {why}", {"name": name, "why": why}
+                )
         return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
 
 def _needs(field: str, switch: str, why: str = ""):
     """A validator: `field` may be set (non-zero) only with `switch` true (an earlier field of the same request)."""
+
     def check(cls, value: Any, info: ValidationInfo) -> Any:
         if value and not info.data.get(switch):
-            raise PydanticCustomError("invalid_value", "{field} needs {switch}=true{why}", {"field": field, "switch": switch, "why": why})
+            raise PydanticCustomError(
+                "invalid_value", "{field} needs {switch}=true{why}", {"field": field, "switch": switch, "why": why}
+            )
         return value
+
     return field_validator(field)(classmethod(check))
 
 
@@ -113,8 +126,8 @@ def _present(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-class ImageGenerationRequest(_Request):
-    """`POST /v1/images/generations`: OpenAI's fields, then this server's extensions."""
+class _OpenAIImageRequest(_Request):
+    """OpenAI's fields of an image request (generations and edits)."""
 
     UNSUPPORTED = {
         name: "this server's images are PNGs rendered by the configured diffusion model"
@@ -129,19 +142,8 @@ class ImageGenerationRequest(_Request):
     response_format: Name | None = None
     output_format: Name | None = None
     stream: StrictBool | None = None
-    partial_images: Annotated[int, Field(ge=0, le=MAX_PARTIAL_IMAGES)] | None = None  # with stream=true only
+    partial_images: PartialImages | None = None  # with stream=true only
     user: Name | None = None  # OpenAI's end-user tag: accepted, not used
-    # Extensions (pass them through the openai client's `extra_body`).
-    seed: Seed | None = None
-    num_inference_steps: Steps | None = None
-    guidance_scale: GuidanceScale | None = None
-    negative_prompt: PromptText | None = None
-    scheduler: SchedulerName | None = None
-    enhance_prompt: StrictBool = True
-    # Refused under diffusion invariance by the seed contract; passed to the stage otherwise.
-    generator_device: Name | None = None
-    latents: Latents | None = None
-    sigmas: Sigmas | None = None
 
     @field_validator("size")
     @classmethod
@@ -173,47 +175,64 @@ class ImageGenerationRequest(_Request):
             raise PydanticCustomError("unsupported_value", "output_format must be 'png': this server encodes PNG")
         return value
 
+
+class ImageGenerationRequest(
+    optional_model(  # type: ignore[misc]  # a base made by pydantic.create_model
+        "_ImageExtensions", image_fields(request="all"), base=_OpenAIImageRequest, doc="the sampling extensions"
+    )
+):
+    """`POST /v1/images/generations`: OpenAI's fields, then this server's extensions (pass them through the openai
+    client's `extra_body`): every sampling field DiffusionSamplingParams marks `request="all"`, with its own type and
+    bounds (those the seed contract forbids under invariance are refused by the ingress then; passed to the stage
+    otherwise), and `enhance_prompt`."""
+
+    enhance_prompt: StrictBool = True
+
     @property
     def count(self) -> int:
         return self.n or 1
 
     def diffusion_params(self, seed: int | None) -> DiffusionSamplingParams:
-        """The sampling params of one image; `None` fields are the stage's configured defaults."""
+        """The sampling params of one image: every sampling field this request has, its size as height and width,
+        and `seed`; `None` fields are the stage's configured defaults."""
         width, height = parse_size(self.size) if self.size else (None, None)
-        return DiffusionSamplingParams.model_validate(_present(
-            seed=seed, num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
-            height=height, width=width, negative_prompt=self.negative_prompt, scheduler=self.scheduler,
-            generator_device=self.generator_device, latents=self.latents, sigmas=self.sigmas,
-        ))
+        given = {name: getattr(self, name) for name in image_fields() if name in type(self).model_fields}
+        return DiffusionSamplingParams.model_validate(
+            _present(**{**given, "seed": seed, "height": height, "width": width})
+        )
 
 
-class ImageEditRequest(ImageGenerationRequest):
-    """`POST /v1/images/edits` (multipart/form-data): the generation request's fields, the image and `strength`.
+class ImageEditRequest(
+    optional_model(  # type: ignore[misc]  # a base made by pydantic.create_model
+        "_EditExtensions", image_fields(request="edit"), base=ImageGenerationRequest, doc="edit fields"
+    )
+):
+    """`POST /v1/images/edits` (multipart/form-data): the generation request's fields, the edit-only sampling
+    fields (`strength`) and the image.
 
     The image is rendered at its own size (a requested `size` must be it) from `strength` into the schedule
-    (`contracts.images`, `stages.engine.img2img`). `from_form` reads the form: text for every field, bytes for
+    (`contracts.images`, `stages.diffusion.engine.img2img`). `from_form` reads the form: text for every field, bytes for
     the image.
     """
 
     UNSUPPORTED = {
-        **ImageGenerationRequest.UNSUPPORTED,
+        **_OpenAIImageRequest.UNSUPPORTED,
         "mask": "this server edits the whole image (image-to-image); masks (inpainting) are not served",
         "input_fidelity": "this server's edits follow the image as far as `strength` says",
         "latents": "an edit's initial latents come from its image",
     }
 
     image: bytes = Field(description="the image to edit: PNG, JPEG or WebP, at most 16 MiB and 4096x4096")
-    strength: Strength | None = None
-
-    def diffusion_params(self, seed: int | None) -> DiffusionSamplingParams:
-        return DiffusionSamplingParams.from_params(super().diffusion_params(seed), **_present(strength=self.strength))
 
     @classmethod
     def from_form(cls, fields: Mapping[str, str | bytes]) -> ImageEditRequest:
         """Validate form fields. A non-text field's text is read as its JSON value ("4", "4.5", "true"; empty: null),
         so each field has exactly the type and bounds it has in the JSON generation request ("4.5" is no `n`)."""
-        text = _text_fields(cls)
-        data = {name: value if name in text or not isinstance(value, str) else _json_value(value) for name, value in fields.items()}
+        text = _text_fields(cast(type[BaseModel], cls))  # its dynamic base hides that a class is hashable
+        data = {
+            name: value if name in text or not isinstance(value, str) else _json_value(value)
+            for name, value in fields.items()
+        }
         try:
             return cls.model_validate(data)
         except ValidationError as err:
@@ -232,8 +251,10 @@ class ImageEditRequest(ImageGenerationRequest):
 @functools.cache
 def _text_fields(model: type[BaseModel]) -> frozenset[str]:
     """The fields of `model` that take text (a form gives them as they are)."""
+
     def takes_text(schema: dict[str, Any]) -> bool:
         return any(s.get("type") == "string" and "format" not in s for s in schema.get("anyOf", [schema]))
+
     return frozenset(name for name, schema in model.model_json_schema()["properties"].items() if takes_text(schema))
 
 
@@ -285,14 +306,22 @@ class ChatCompletionRequest(_Request):
 
     def llm_params(self, seed: int | None) -> LLMSamplingParams:
         """The LLM stage's sampling params; unset fields keep LLMSamplingParams' defaults."""
-        return LLMSamplingParams.model_validate(_present(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            max_tokens=self.max_completion_tokens or self.max_tokens, min_tokens=self.min_tokens,
-            stop=[self.stop] if isinstance(self.stop, str) else self.stop, seed=seed,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-        ))
+        return LLMSamplingParams.model_validate(
+            _present(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                max_tokens=self.max_completion_tokens or self.max_tokens,
+                min_tokens=self.min_tokens,
+                stop=[self.stop] if isinstance(self.stop, str) else self.stop,
+                seed=seed,
+                logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+            )
+        )
 
 
 # --- responses (built through these models, so the documented shape cannot drift) --------------------
@@ -469,16 +498,22 @@ class BodyRule:
         sent = (content_type or "").split(";")[0].strip().lower()
         if sent != self.media_type:
             said = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
-            raise UnsupportedMediaTypeError(f"send {self.what} as {self.media_type}; the request has {said}",
-                                            code="unsupported_media_type")
+            raise UnsupportedMediaTypeError(
+                f"send {self.what} as {self.media_type}; the request has {said}", code="unsupported_media_type"
+            )
         if content_length and content_length.isascii() and content_length.isdigit():
-            self.check_size(int(content_length) if len(content_length) <= 18 else math.inf)  # int() refuses 4300+ digits
+            self.check_size(
+                int(content_length) if len(content_length) <= 18 else math.inf
+            )  # int() refuses 4300+ digits
 
     def check_size(self, size: float) -> None:
         """Refuse a body of `size` bytes (declared, or read so far) if it is over the limit."""
         if size > self.max_bytes:
-            raise PayloadTooLargeError(f"{self.what} is over this route's limit of {self.max_bytes} bytes "
-                                       f"({self.max_bytes / MiB:g} MiB)", param=self.param, code="body_too_large")
+            raise PayloadTooLargeError(
+                f"{self.what} is over this route's limit of {self.max_bytes} bytes ({self.max_bytes / MiB:g} MiB)",
+                param=self.param,
+                code="body_too_large",
+            )
 
 
 #: Each POST route's body, in one place (README's "HTTP API" section lists them).
@@ -493,8 +528,10 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     body: dict[str, Any] = {}
     for key, value in pairs:
         if key in body:
-            raise InvalidRequestError(f"the body is not valid JSON for this server: the key {key!r} is given more than once",
-                                      code="duplicate_key")
+            raise InvalidRequestError(
+                f"the body is not valid JSON for this server: the key {key!r} is given more than once",
+                code="duplicate_key",
+            )
         body[key] = value
     return body
 
@@ -507,28 +544,22 @@ def decode_json(raw: bytes | str) -> Any:
     except InvalidRequestError:
         raise
     except UnicodeDecodeError as err:
-        raise InvalidRequestError(f"the body is not valid JSON: it is not UTF-8 ({err.reason} at byte {err.start})",
-                                  code="json_invalid") from None
+        raise InvalidRequestError(
+            f"the body is not valid JSON: it is not UTF-8 ({err.reason} at byte {err.start})", code="json_invalid"
+        ) from None
     except RecursionError:
-        raise InvalidRequestError("the body is not valid JSON for this server: it is nested too deeply", code="json_invalid") from None
+        raise InvalidRequestError(
+            "the body is not valid JSON for this server: it is nested too deeply", code="json_invalid"
+        ) from None
     except ValueError as err:  # JSONDecodeError, or an integer of more digits than Python converts
         raise InvalidRequestError(f"the body is not valid JSON: {err}", code="json_invalid") from None
 
 
-M = TypeVar("M", bound=BaseModel)
-
-
-def parse_body(model: type[M], raw: bytes | str) -> M:
-    """Validate a JSON body into `model` as the ingress does (decoded, then validated); errors name the field."""
-    data = decode_json(raw)
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        raise invalid_request(err) from None
-
-
 def is_request_error(err: ValidationError) -> bool:
     """Whether `err` is the validation of client input (a request or sampling-params model), not of server data."""
+
     def family(cls: type) -> set[str]:
-        return {cls.__name__}.union(*(family(sub) for sub in cls.__subclasses__()))
+        subclasses: list[type] = cls.__subclasses__()
+        return {cls.__name__}.union(*(family(sub) for sub in subclasses))
+
     return err.title in family(Contract) | family(_Request)

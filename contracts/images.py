@@ -28,8 +28,11 @@ def _refused(message: str, code: str = "invalid_image") -> InvalidRequestError:
 def check_image_bytes(size: int) -> None:
     """Refuse an image of `size` bytes before reading it, if it is too large (413, as a body over its limit)."""
     if size > MAX_IMAGE_BYTES:
-        raise PayloadTooLargeError(f"image is {size} bytes; at most {MAX_IMAGE_BYTES} (16 MiB) are accepted",
-                                   param="image", code="image_too_large")
+        raise PayloadTooLargeError(
+            f"image is {size} bytes; at most {MAX_IMAGE_BYTES} (16 MiB) are accepted",
+            param="image",
+            code="image_too_large",
+        )
 
 
 def admit_image(data: Any):
@@ -37,7 +40,9 @@ def admit_image(data: Any):
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not isinstance(data, bytes):
-        raise _refused(f"image must be the bytes of a PNG, JPEG or WebP file, not {type(data).__name__}", "invalid_type")
+        raise _refused(
+            f"image must be the bytes of a PNG, JPEG or WebP file, not {type(data).__name__}", "invalid_type"
+        )
     if not data:
         raise _refused("image is empty: send a PNG, JPEG or WebP file")
     check_image_bytes(len(data))
@@ -61,10 +66,16 @@ def edit_size(image, width: int | None, height: int | None) -> tuple[int, int]:
     own_width, own_height = image.size
     size = (width or own_width, height or own_height)
     if size != (own_width, own_height):
-        raise _refused(f"image is {own_width}x{own_height} but the requested size is {size[0]}x{size[1]}: "
-                       "send an image of the requested size, or leave size out", "invalid_size")
+        raise _refused(
+            f"image is {own_width}x{own_height} but the requested size is {size[0]}x{size[1]}: "
+            "send an image of the requested size, or leave size out",
+            "invalid_size",
+        )
     for side in size:
         if not MIN_SIDE <= side <= MAX_SIDE or side % SIDE_MULTIPLE:
-            raise _refused(f"image is {own_width}x{own_height}: its width and height must be multiples of {SIDE_MULTIPLE} "
-                           f"in [{MIN_SIDE}, {MAX_SIDE}]", "invalid_size")
+            raise _refused(
+                f"image is {own_width}x{own_height}: its width and height must be multiples of {SIDE_MULTIPLE} "
+                f"in [{MIN_SIDE}, {MAX_SIDE}]",
+                "invalid_size",
+            )
     return size

@@ -7,16 +7,30 @@ Nothing here imports torch: these rules run at admission, before any replica
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import envs
 from .errors import InvalidRequestError
+from .sampling import GENERATOR_HINT
 from .seeds import MAX_SEED, MIN_SEED, is_valid_seed, seed_range_message
 
 __all__ = ["MAX_SEED", "MIN_SEED", "STAGES", "SeedContractError", "resolve_batch_invariant", "validate_seed_contract"]
 
 Stage = Literal["llm", "diffusion"]
 STAGES: tuple[Stage, ...] = ("llm", "diffusion")
+
+
+@dataclass(frozen=True)
+class Switches:
+    """Each stage's batch-invariance switch, resolved (`resolve_batch_invariant`): what an app runs with."""
+
+    llm: bool
+    diffusion: bool
+
+    def of(self, stage: Stage) -> bool:
+        return self.llm if stage == "llm" else self.diffusion
+
 
 #: vLLM's global switch; each stage follows it unless its own variable is set.
 GLOBAL_SWITCH = "VLLM_BATCH_INVARIANT"
@@ -69,7 +83,7 @@ def _field(params: Any, name: str) -> Any:
 
 # Inputs that take the initial noise or the trajectory out of the seed's hands.
 _SEED_OVERRIDES = {
-    "generator": "a generator cannot cross an actor boundary; pass seed=<int> instead",
+    "generator": GENERATOR_HINT,
     "generator_device": "generator_device changes the noise stream; the seed alone must decide it",
     "latents": "caller latents mean the seed no longer decides the initial noise",
     "sigmas": "caller sigmas rewrite the schedule the seeded trajectory follows",

@@ -5,7 +5,7 @@ labels (`deployment`, `replica`, `application`) and exports them with its metric
 namespace in front, so `omniserve_requests_total` is scraped as `ray_omniserve_requests_total`. The Grafana
 dashboard in `examples/grafana/` uses these names only (a test checks it).
 
-`make serve` fixes Ray's Prometheus endpoint at `METRICS_EXPORT_PORT` on the loopback (`orchestration.run`).
+`make serve` fixes Ray's Prometheus endpoint at `METRICS_EXPORT_PORT` on the loopback (`cli.run`).
 """
 
 from __future__ import annotations
@@ -49,29 +49,64 @@ class Metric:
 METRICS: dict[str, Metric] = {
     m.name: m
     for m in (
-        Metric("omniserve_requests_total", "counter", ("route", "status_class"),
-               "HTTP requests the ingress answered, by route and status class"),
-        Metric("omniserve_request_errors_total", "counter", ("route", "status_class"),
-               "HTTP requests answered with a 4xx or 5xx, by route and status class"),
-        Metric("omniserve_request_latency_seconds", "histogram", ("route", "status_class"),
-               "end-to-end latency at the ingress, from the request's arrival to its response's last byte",
-               LATENCY_BUCKETS_S),
+        Metric(
+            "omniserve_requests_total",
+            "counter",
+            ("route", "status_class"),
+            "HTTP requests the ingress answered, by route and status class",
+        ),
+        Metric(
+            "omniserve_request_errors_total",
+            "counter",
+            ("route", "status_class"),
+            "HTTP requests answered with a 4xx or 5xx, by route and status class",
+        ),
+        Metric(
+            "omniserve_request_latency_seconds",
+            "histogram",
+            ("route", "status_class"),
+            "end-to-end latency at the ingress, from the request's arrival to its response's last byte",
+            LATENCY_BUCKETS_S,
+        ),
         Metric("omniserve_requests_in_flight", "gauge", (), "HTTP requests the ingress replica is answering now"),
-        Metric("omniserve_stage_latency_seconds", "histogram", ("stage", "method"),
-               "one stage call inside its replica, queueing there included", LATENCY_BUCKETS_S),
-        Metric("omniserve_diffusion_batch_size", "histogram", (),
-               "per image: the most samples that shared one of its denoiser calls (the response's batch_size)",
-               BATCH_SIZE_BUCKETS),
-        Metric("omniserve_diffusion_queue_wait_seconds", "histogram", (),
-               "per image: from its arrival at the replica to joining the step engine's running batch",
-               LATENCY_BUCKETS_S),
+        Metric(
+            "omniserve_stage_latency_seconds",
+            "histogram",
+            ("stage", "method"),
+            "one stage call inside its replica, queueing there included",
+            LATENCY_BUCKETS_S,
+        ),
+        Metric(
+            "omniserve_diffusion_batch_size",
+            "histogram",
+            (),
+            "per image: the most samples that shared one of its denoiser calls (the response's batch_size)",
+            BATCH_SIZE_BUCKETS,
+        ),
+        Metric(
+            "omniserve_diffusion_queue_wait_seconds",
+            "histogram",
+            (),
+            "per image: from its arrival at the replica to joining the step engine's running batch",
+            LATENCY_BUCKETS_S,
+        ),
         Metric("omniserve_images_total", "counter", ("method",), "images the diffusion stage rendered"),
-        Metric("omniserve_llm_tokens_total", "counter", ("method",), "tokens the LLM stage generated (prompt excluded)"),
-        Metric("omniserve_retries_total", "counter", ("call", "cause"),
-               "stage calls the ingress sent again after an infrastructure failure (orchestration.retries)"),
+        Metric(
+            "omniserve_llm_tokens_total", "counter", ("method",), "tokens the LLM stage generated (prompt excluded)"
+        ),
+        Metric(
+            "omniserve_retries_total",
+            "counter",
+            ("call", "cause"),
+            "stage calls the ingress sent again after an infrastructure failure (orchestration.retries)",
+        ),
         Metric("omniserve_batch_invariant", "gauge", ("stage",), "the replica's batch-invariance switch: 1 on, 0 off"),
-        Metric("omniserve_kernel_backend", "gauge", ("stage", "backend"),
-               "1 for the kernel backend the replica runs (cpu, vllm-cuda, none, ...)"),
+        Metric(
+            "omniserve_kernel_backend",
+            "gauge",
+            ("stage", "backend"),
+            "1 for the kernel backend the replica runs (cpu, vllm-cuda, none, ...)",
+        ),
     )
 }
 

@@ -21,14 +21,17 @@ from __future__ import annotations
 import io
 import json
 from functools import cache
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .results import Provenance, RevisedPrompt
 from .sampling import DiffusionSamplingParams, LLMSamplingParams
 
-FORMAT = "omniserve.image/1"
+if TYPE_CHECKING:
+    from PIL.PngImagePlugin import PngImageFile
+
+FORMAT: Final = "omniserve.image/1"
 #: The chunks, by keyword.
 RECORD_CHUNK = "omniserve"
 PARAMETERS_CHUNK = "parameters"
@@ -71,7 +74,7 @@ class StageRecord(_Record):
 
     @classmethod
     def of(cls, provenance: Provenance) -> StageRecord:
-        return cls.model_validate(provenance.model_dump(exclude=ASSESSMENT))
+        return cls.model_validate(provenance.model_dump(exclude=set(ASSESSMENT)))
 
 
 class ImageOrigin(_Record):
@@ -107,17 +110,32 @@ class ImageRecord(_Record):
     stages: dict[str, StageRecord]  # "diffusion" always; "llm" when it rewrote the prompt
 
     @classmethod
-    def of(cls, prompt: str, params: DiffusionSamplingParams, diffusion: Provenance, origin: ImageOrigin | None,
-           image: bytes | None = None) -> ImageRecord:
+    def of(
+        cls,
+        prompt: str,
+        params: DiffusionSamplingParams,
+        diffusion: Provenance,
+        origin: ImageOrigin | None,
+        image: bytes | None = None,
+    ) -> ImageRecord:
         """The record of an image the diffusion stage rendered from `prompt` with resolved `params`.
 
         Without an origin (the stage called directly, not through the ingress) the prompt is its own origin."""
         origin = origin or ImageOrigin(prompt=prompt, enhance=False)
         stages = {"diffusion": StageRecord.of(diffusion), **({"llm": StageRecord.of(origin.llm)} if origin.llm else {})}
         latents = None if params.latents is None else _sha256(json.dumps(params.latents).encode())
-        return cls(version=project_version(), prompt=origin.prompt, revised_prompt=prompt, enhance=origin.enhance,
-                   seed=params.seed, params=params.model_copy(update={"latents": None}), latents_sha256=latents,
-                   image_sha256=None if image is None else _sha256(image), llm_params=origin.llm_params, stages=stages)
+        return cls(
+            version=project_version(),
+            prompt=origin.prompt,
+            revised_prompt=prompt,
+            enhance=origin.enhance,
+            seed=params.seed,
+            params=params.model_copy(update={"latents": None}),
+            latents_sha256=latents,
+            image_sha256=None if image is None else _sha256(image),
+            llm_params=origin.llm_params,
+            stages=stages,
+        )
 
     def canonical(self) -> str:
         """The record as written: JSON with sorted keys, no spaces, UTF-8 as it is."""
@@ -126,15 +144,26 @@ class ImageRecord(_Record):
     def parameters(self) -> str:
         """The Stable Diffusion web UIs' form: prompt, negative prompt, then `Key: value` pairs."""
         p = self.params
-        pairs = {"Steps": p.num_inference_steps, "Sampler": p.scheduler or "default", "CFG scale": p.guidance_scale,
-                 "Seed": self.seed, "Size": f"{p.width}x{p.height}", "Model": self.stages["diffusion"].model,
-                 "Denoising strength": p.strength, "Version": f"omniserve {self.version}"}
+        pairs = {
+            "Steps": p.num_inference_steps,
+            "Sampler": p.scheduler or "default",
+            "CFG scale": p.guidance_scale,
+            "Seed": self.seed,
+            "Size": f"{p.width}x{p.height}",
+            "Model": self.stages["diffusion"].model,
+            "Denoising strength": p.strength,
+            "Version": f"omniserve {self.version}",
+        }
         lines = [self.revised_prompt] + ([f"Negative prompt: {p.negative_prompt}"] if p.negative_prompt else [])
         return "\n".join(lines + [", ".join(f"{k}: {v}" for k, v in pairs.items() if v is not None)])
 
     def chunks(self) -> dict[str, str]:
         """Each chunk's text, by keyword."""
-        return {RECORD_CHUNK: self.canonical(), PARAMETERS_CHUNK: self.parameters(), SOFTWARE_CHUNK: f"omniserve {self.version}"}
+        return {
+            RECORD_CHUNK: self.canonical(),
+            PARAMETERS_CHUNK: self.parameters(),
+            SOFTWARE_CHUNK: f"omniserve {self.version}",
+        }
 
 
 def _sha256(data: bytes) -> str:
@@ -165,7 +194,8 @@ def read_chunks(png: bytes) -> tuple[dict[str, str], tuple[int, int]]:
         with Image.open(io.BytesIO(png)) as picture:
             if picture.format != "PNG":
                 raise ProvenanceError(f"not a PNG but {picture.format}")
-            return {key: str(value) for key, value in picture.text.items()}, picture.size
+            chunks = cast("PngImageFile", picture).text  # only PIL's PNG plugin opens a PNG
+            return {key: str(value) for key, value in chunks.items()}, picture.size
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as err:
         raise ProvenanceError(f"not a readable PNG: {err}") from None
 
@@ -178,22 +208,31 @@ def read_record(png: bytes) -> ImageRecord:
     try:
         record = ImageRecord.model_validate_json(chunks[RECORD_CHUNK])
     except ValidationError as err:
-        raise ProvenanceError(f"the {RECORD_CHUNK!r} chunk is not a valid record (altered?): {err.errors()[0]['msg']}") from None
+        raise ProvenanceError(
+            f"the {RECORD_CHUNK!r} chunk is not a valid record (altered?): {err.errors()[0]['msg']}"
+        ) from None
     problems = check(record, chunks, (width, height))
     if problems:
-        raise ProvenanceError("the file's provenance is inconsistent (altered, or from another version?): " + "; ".join(problems))
+        raise ProvenanceError(
+            "the file's provenance is inconsistent (altered, or from another version?): " + "; ".join(problems)
+        )
     return record
 
 
 def check(record: ImageRecord, chunks: dict[str, str], size: tuple[int, int]) -> list[str]:
     """What in a file disagrees with its record: the derived chunks, the image's size, the record's own form (each
     as this version writes it: a file of another version, or edited by hand, shows here)."""
-    problems = [f"the {keyword!r} chunk differs from what the record implies"
-                for keyword, text in record.chunks().items() if keyword != RECORD_CHUNK and chunks.get(keyword) != text]
+    problems = [
+        f"the {keyword!r} chunk differs from what the record implies"
+        for keyword, text in record.chunks().items()
+        if keyword != RECORD_CHUNK and chunks.get(keyword) != text
+    ]
     if record.canonical() != chunks.get(RECORD_CHUNK):
         problems.append(f"the {RECORD_CHUNK!r} chunk is not written as omniserve {project_version()} writes it")
     if size != (record.params.width, record.params.height):
-        problems.append(f"the image is {size[0]}x{size[1]} but its record says {record.params.width}x{record.params.height}")
+        problems.append(
+            f"the image is {size[0]}x{size[1]} but its record says {record.params.width}x{record.params.height}"
+        )
     return problems
 
 
@@ -204,6 +243,9 @@ def differences(expected: Any, found: Any, path: str = "") -> list[str]:
     if isinstance(found, BaseModel):
         found = found.model_dump(mode="json")
     if isinstance(expected, dict) and isinstance(found, dict):
-        return [line for key in sorted(set(expected) | set(found), key=str)
-                for line in differences(expected.get(key), found.get(key), f"{path}.{key}" if path else str(key))]
+        return [
+            line
+            for key in sorted(set(expected) | set(found), key=str)
+            for line in differences(expected.get(key), found.get(key), f"{path}.{key}" if path else str(key))
+        ]
     return [] if expected == found else [f"{path or 'value'}: {expected!r} != {found!r}"]

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .sampling import LLMSamplingParams
+from .sampling import DiffusionSamplingParams, LLMSamplingParams, image_fields, required_model
 
 #: One position's top logprobs: (token id, logprob), best first.
 TopLogprobs = list[tuple[int, float]]
@@ -80,16 +80,16 @@ class Completion(Provenance):
     seed: int | None
 
 
-class RenderedImage(Provenance):
-    """One image of the diffusion stage: PNG bytes, their sha256, and how it was sampled and batched."""
+class RenderedImage(
+    required_model(  # type: ignore[misc]  # a base made by pydantic.create_model
+        "_Rendered", image_fields(rendered=True), base=Provenance, doc="the fields marked `rendered`"
+    )
+):
+    """One image of the diffusion stage: PNG bytes, their sha256, and how it was sampled (the sampling fields marked
+    `rendered`, as really used: `rendered_params`) and batched."""
 
     png: bytes
     sha256: str
-    seed: int
-    height: int
-    width: int
-    num_inference_steps: int
-    guidance_scale: float
     batch_size: int  # the most samples that shared one of its denoiser calls
     steps_co_batched: int  # how many of its steps ran with other samples
     replica: str
@@ -114,3 +114,8 @@ class PartialImage(Result):
     png: bytes
     height: int
     width: int
+
+
+def rendered_params(params: DiffusionSamplingParams) -> dict[str, Any]:
+    """The fields of resolved `params` a RenderedImage reports."""
+    return params.model_dump(include=set(image_fields(rendered=True)))

@@ -12,9 +12,20 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, Self
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Self, get_args
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictStr,
+    create_model,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
@@ -36,6 +47,8 @@ MAX_TOKENS = 8192
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 #: Larger than any vocabulary (vLLM treats a top_k at or past the vocabulary's size as no top-k).
 MAX_TOP_K = 2**20
+#: Previews a streamed image may ask for (OpenAI's bound); fewer arrive when an image has too few steps.
+MAX_PARTIAL_IMAGES = 3
 #: Initial latents a request may give: one sample's (channels, height/8, width/8) as nested lists, at most a
 #: 1024x1024 image in a 16-channel latent space (SD3's), in at most 4 levels of lists.
 MAX_LATENT_VALUES, MAX_LATENT_DEPTH = 16 * 128 * 128, 4
@@ -66,15 +79,20 @@ def _bounded_nesting(value: Any) -> Any:
         is_list = isinstance(item, list)
         counts[is_list] += 1
         if max(counts.values()) > MAX_LATENT_VALUES:
-            raise PydanticCustomError("too_many_values", "latents may hold at most {count} values", {"count": MAX_LATENT_VALUES})
+            raise PydanticCustomError(
+                "too_many_values", "latents may hold at most {count} values", {"count": MAX_LATENT_VALUES}
+            )
         if is_list and depth > MAX_LATENT_DEPTH:
-            raise PydanticCustomError("too_deep", "latents may nest lists at most {depth} deep", {"depth": MAX_LATENT_DEPTH})
+            raise PydanticCustomError(
+                "too_deep", "latents may nest lists at most {depth} deep", {"depth": MAX_LATENT_DEPTH}
+            )
         if is_list:
             pending.extend((child, depth + 1) for child in item)
     return value
 
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+PartialImages = Annotated[int, Field(ge=0, le=MAX_PARTIAL_IMAGES)]
 PromptText = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
 Prompt = Annotated[PromptText, AfterValidator(_has_visible_text)]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
@@ -105,7 +123,7 @@ Logprobs = Annotated[int, Field(ge=0, le=20)]
 Penalty = Annotated[Finite, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[Finite, Field(gt=0.0, le=2.0)]
 
-_GENERATOR_HINT = (
+GENERATOR_HINT = (
     "a torch.Generator cannot cross an actor boundary (its state is consumed in place and "
     "does not survive pickling); pass seed=<int> instead"
 )
@@ -128,7 +146,7 @@ class Contract(BaseModel):
         if isinstance(data, Mapping):
             for key, value in data.items():
                 if key == "generator" or _is_generator(value):
-                    raise ValueError(f"{key}: {_GENERATOR_HINT}")
+                    raise ValueError(f"{key}: {GENERATOR_HINT}")
         return data
 
     @classmethod
@@ -139,7 +157,7 @@ class Contract(BaseModel):
         caller's seed is never replaced. Keyword arguments update `params`.
         """
         if _is_generator(params):
-            raise TypeError(_GENERATOR_HINT)
+            raise TypeError(GENERATOR_HINT)
         if isinstance(params, cls) and not kwargs:
             return params
         if params is None:
@@ -167,21 +185,80 @@ class ChatMessage(Contract):
 Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
+@dataclass(frozen=True)
+class Served:
+    """Where one image sampling field goes besides DiffusionSamplingParams, declared beside its type, so that a new
+    field is one line here: the HTTP request models, the deployments' defaults, the rendered-image record and the
+    whole-request batch key are derived from these markers (`image_fields`, `optional_model`).
+
+    request:  "all": a JSON field of generations (and edits); "edit": of edits only; None: not a body field as
+              itself (height and width arrive as `size`)
+    default:  a deployment may configure its default (`DiffusionDefaults`)
+    rendered: a RenderedImage reports it, as the image was rendered
+    batch:    how it enters the whole-request batch key: "value", "presence", or None (per sample)
+    """
+
+    request: Literal["all", "edit"] | None = "all"
+    default: bool = False
+    rendered: bool = False
+    batch: Literal["value", "presence"] | None = None
+
+
 class DiffusionSamplingParams(Contract):
     """How one image is sampled. `None` means the serving model's configured default."""
 
-    seed: Seed | None = None
-    num_inference_steps: Steps | None = None
-    guidance_scale: GuidanceScale | None = None
-    height: Side | None = None
-    width: Side | None = None
-    negative_prompt: PromptText | None = None
-    scheduler: SchedulerName | None = None
-    strength: Strength | None = None  # image edits only: None is DEFAULT_STRENGTH
+    seed: Annotated[Seed | None, Served(rendered=True)] = None
+    num_inference_steps: Annotated[Steps | None, Served(default=True, rendered=True, batch="value")] = None
+    guidance_scale: Annotated[GuidanceScale | None, Served(default=True, rendered=True, batch="value")] = None
+    height: Annotated[Side | None, Served(request=None, default=True, rendered=True, batch="value")] = None
+    width: Annotated[Side | None, Served(request=None, default=True, rendered=True, batch="value")] = None
+    negative_prompt: Annotated[PromptText | None, Served(batch="presence")] = None
+    scheduler: Annotated[SchedulerName | None, Served()] = None
+    strength: Annotated[Strength | None, Served(request="edit")] = None  # image edits only: None is DEFAULT_STRENGTH
     # The three inputs the seed contract forbids under invariance (see contracts.invariance).
-    generator_device: GeneratorDevice | None = None
-    latents: Latents | None = None
-    sigmas: Sigmas | None = None
+    generator_device: Annotated[GeneratorDevice | None, Served(batch="value")] = None
+    latents: Annotated[Latents | None, Served(batch="presence")] = None
+    sigmas: Annotated[Sigmas | None, Served(batch="value")] = None
+
+
+def image_fields(model: type[BaseModel] = DiffusionSamplingParams, **where: Any) -> dict[str, FieldInfo]:
+    """`model`'s fields whose `Served` marker has every given value, e.g. `image_fields(rendered=True)`."""
+    found = {}
+    for name, info in model.model_fields.items():
+        served = next((m for m in info.metadata if isinstance(m, Served)), None)
+        if served is not None and all(getattr(served, key) == value for key, value in where.items()):
+            found[name] = info
+    return found
+
+
+def optional_model(name: str, fields: Mapping[str, FieldInfo], *, base: type[BaseModel], doc: str) -> type[Any]:
+    """A model of `fields` with their types and bounds, each None unless given: a derived declaration."""
+    definitions: dict[str, Any] = {field: (info.annotation, None) for field, info in fields.items()}
+    return create_model(name, __base__=base, __doc__=doc, **definitions)
+
+
+def required_model(name: str, fields: Mapping[str, FieldInfo], *, base: type[BaseModel], doc: str) -> type[Any]:
+    """A model of `fields` with their types and bounds, each required and never None (what was really used)."""
+    definitions: dict[str, Any] = {field: (_not_none(info.annotation), ...) for field, info in fields.items()}
+    return create_model(name, __base__=base, __doc__=doc, **definitions)
+
+
+def batch_parts(params: DiffusionSamplingParams) -> tuple[tuple[str, Any], ...]:
+    """What of `params` decides whether two requests may share a whole-request batch: each field marked `batch`, by
+    value (lists as tuples) or by presence (`has_<name>`). Equal parts: the same shapes and schedule."""
+    parts = []
+    for name, info in image_fields(type(params)).items():
+        how, value = next(m for m in info.metadata if isinstance(m, Served)).batch, getattr(params, name)
+        if how == "value":
+            parts.append((name, tuple(value) if isinstance(value, list) else value))
+        elif how == "presence":
+            parts.append((f"has_{name}", value is not None))
+    return tuple(parts)
+
+
+def _not_none(annotation: Any) -> Any:
+    members = [arg for arg in get_args(annotation) if arg is not type(None)]
+    return members[0] if len(members) == 1 else annotation
 
 
 class LLMSamplingParams(Contract):

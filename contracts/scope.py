@@ -145,7 +145,9 @@ def golden_column(configuration: Configuration, columns: Sequence[GoldenColumn])
     return next((c for c in columns if c.configuration == configuration), None)
 
 
-def compare_golden(configuration: Configuration, digests: Mapping[str, str], columns: Sequence[GoldenColumn]) -> SelfCheck:
+def compare_golden(
+    configuration: Configuration, digests: Mapping[str, str], columns: Sequence[GoldenColumn]
+) -> SelfCheck:
     """`digests` (what this machine computed) against the column of `configuration`."""
     path = ",".join(configuration.hardware)
     column = golden_column(configuration, columns)
@@ -159,7 +161,9 @@ def write_golden(column: GoldenColumn, path: Path = GOLDEN_TABLE) -> None:
     """Add `column`, replacing the one of the same configuration."""
     kept = [c for c in load_golden(path) if c.configuration != column.configuration]
     columns = sorted([*kept, column], key=lambda c: json.dumps(c.configuration.model_dump(mode="json"), sort_keys=True))
-    path.write_text(json.dumps({"columns": [c.model_dump(mode="json") for c in columns]}, indent=1, sort_keys=True) + "\n")
+    path.write_text(
+        json.dumps({"columns": [c.model_dump(mode="json") for c in columns]}, indent=1, sort_keys=True) + "\n"
+    )
 
 
 class OutsideVerifiedScopeError(RuntimeError):
@@ -167,8 +171,10 @@ class OutsideVerifiedScopeError(RuntimeError):
 
     def __init__(self, stage: str, differences: Sequence[str]):
         self.stage, self.differences = stage, list(differences)
-        super().__init__(f"the {stage} stage is strict and its configuration is outside the verified scope: "
-                         + "; ".join(self.differences))
+        super().__init__(
+            f"the {stage} stage is strict and its configuration is outside the verified scope: "
+            + "; ".join(self.differences)
+        )
 
     def __reduce__(self):
         return (type(self), (self.stage, self.differences))
@@ -207,8 +213,15 @@ def write_record(record: ScopeRecord, directory: Path) -> Path:
     return path
 
 
-_LABELS = {"model": "model", "weights": "weights", "dtype": "dtype", "device": "device", "hardware": "hardware",
-           "kernels": "kernels source", "torch_threads": "thread count"}
+_LABELS = {
+    "model": "model",
+    "weights": "weights",
+    "dtype": "dtype",
+    "device": "device",
+    "hardware": "hardware",
+    "kernels": "kernels source",
+    "torch_threads": "thread count",
+}
 
 
 def _short(value: Any) -> str:
@@ -242,16 +255,25 @@ def differences(mine: Configuration, record: ScopeRecord, *, batch_size: int, si
     return found
 
 
-def match(configuration: Configuration, records: Sequence[ScopeRecord], *, batch_size: int,
-          size: str | None = None, self_check: SelfCheck | None = None) -> Verdict:
+def match(
+    configuration: Configuration,
+    records: Sequence[ScopeRecord],
+    *,
+    batch_size: int,
+    size: str | None = None,
+    self_check: SelfCheck | None = None,
+) -> Verdict:
     """Verified when a record covers `configuration` at batch sizes 1..`batch_size` (and `size`) and this replica's
     self-check, where it ran, reproduced its golden column; else the nearest record's differences (the fewest).
 
     On CPU a configuration names the kernel path, not the CPU's flags (stages/scope.py), so a record made on another
     machine of the same path covers this one: the record proves the configuration invariant, the self-check that
     this machine computes that path's bits. A self-check that differs leaves the replica unverified whatever covers it."""
-    candidates = [(differences(configuration, r, batch_size=batch_size, size=size), r) for r in records
-                  if r.configuration.stage == configuration.stage]
+    candidates = [
+        (differences(configuration, r, batch_size=batch_size, size=size), r)
+        for r in records
+        if r.configuration.stage == configuration.stage
+    ]
     if not candidates:
         return Verdict(verified=False, differences=[f"no audit record for the {configuration.stage} stage"])
     found, nearest = min(candidates, key=lambda pair: len(pair[0]))
@@ -260,4 +282,8 @@ def match(configuration: Configuration, records: Sequence[ScopeRecord], *, batch
     if found:
         return Verdict(verified=False, differences=found)
     by = f"audit record {nearest.name}"
-    return Verdict(verified=True, record=nearest.name, by=f"{self_check.reason}; {by}" if self_check and self_check.verified else by)
+    return Verdict(
+        verified=True,
+        record=nearest.name,
+        by=f"{self_check.reason}; {by}" if self_check and self_check.verified else by,
+    )

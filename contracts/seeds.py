@@ -59,3 +59,9 @@ def seeds_for_request(seed: int, n: int) -> list[int]:
 def pick_seed() -> int:
     """A fresh seed for a request that has none (only allowed with that stage's invariance off)."""
     return secrets.randbits(SAFE_SEED_BITS)
+
+
+def seed_or_picked(seed: int | None) -> int:
+    """The one rule for a request without a seed: the server picks one and reports it, so the result can be reproduced
+    (with the stage's invariance on the seed contract refuses such a request before it gets here)."""
+    return seed if seed is not None else pick_seed()

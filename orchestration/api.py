@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from contracts.errors import InvalidRequestError
 from contracts.http import (
     BODY_RULES,
+    STREAM_EVENT_KINDS,
     BodyRule,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -64,7 +65,9 @@ from contracts.images import check_image_bytes
 from .errors import HTTPError, client_error, http_error
 from .health import HealthResponse
 from .metrics import RequestMetrics
+from .pipeline import results
 from .playground import mount as mount_playground
+from .responses import image_event, images_response
 
 if TYPE_CHECKING:
     from .ingress import Ingress
@@ -84,11 +87,13 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 #: The image routes' other success: with `stream: true`, server-sent events (this module's docstring).
-STREAMED: dict[int | str, dict[str, Any]] = {200: {
-    "description": "the images; with `stream: true`, server-sent events: `<kind>.partial_image` events, then one "
-                   "`<kind>.completed` per image (kind `image_generation` or `image_edit`)",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
-}}
+STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the images; with `stream: true`, server-sent events: `<kind>.partial_image` events, then one "
+        "`<kind>.completed` per image (kind `image_generation` or `image_edit`)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 
 
 def error_response(error: HTTPError) -> JSONResponse:
@@ -141,7 +146,9 @@ class BodyCheckedRoute(APIRoute):
 
 
 #: An edit's body as OpenAPI documents it: a multipart form (the route reads it itself, see `read_edit`).
-EDIT_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": ImageEditRequest.form_schema()}}}}
+EDIT_BODY = {
+    "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": ImageEditRequest.form_schema()}}}
+}
 
 
 async def read_edit(request: Request) -> ImageEditRequest:
@@ -150,13 +157,18 @@ async def read_edit(request: Request) -> ImageEditRequest:
     Its content type and size were checked by its route (`BodyCheckedRoute`)."""
     fields: dict[str, str | bytes] = {}
     async with request.form(max_files=4, max_fields=64) as form:
+        value: UploadFile | str | bytes  # a file's field becomes its bytes
         for name, value in form.multi_items():
             name = "image" if name == "image[]" else name
             if name in fields:
-                raise InvalidRequestError("send exactly one image" if name == "image" else f"{name} is given more than once", param=name)
+                raise InvalidRequestError(
+                    "send exactly one image" if name == "image" else f"{name} is given more than once", param=name
+                )
             if name == "image":
                 if not isinstance(value, UploadFile):
-                    raise InvalidRequestError("image must be sent as a file (a multipart file field)", param="image", code="invalid_type")
+                    raise InvalidRequestError(
+                        "image must be sent as a file (a multipart file field)", param="image", code="invalid_type"
+                    )
                 check_image_bytes(value.size or 0)
                 value = await value.read()
             elif isinstance(value, UploadFile):
@@ -170,19 +182,26 @@ async def edit_images(ingress: Ingress, request: Request, timeout_s: float) -> I
     return await images_or_events(ingress, await read_edit(request), timeout_s)
 
 
-async def images_or_events(ingress: Ingress, request: ImageGenerationRequest, timeout_s: float) -> ImagesResponse | StreamingResponse:
-    """The images whole, or (`stream: true`) as server-sent events, admitted before the first byte is sent."""
+async def images_or_events(
+    ingress: Ingress, request: ImageGenerationRequest, timeout_s: float
+) -> ImagesResponse | StreamingResponse:
+    """The response writer of every image route: the images whole, or (`stream: true`) as server-sent events, from
+    one admitted plan and its items (`Ingress.images`)."""
+    plan, items = await ingress.images(request)
     if not request.stream:
-        return await ingress.images(request)
-    events = await ingress.image_events(request)
-    return StreamingResponse(server_sent(events, timeout_s), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return images_response(plan, await results(plan, items), ingress.config.switches)
+    kind = STREAM_EVENT_KINDS["edit" if isinstance(request, ImageEditRequest) else "generation"]
+    events = (image_event(kind, index, item) async for index, item in items)
+    return StreamingResponse(
+        server_sent(events, timeout_s), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 def _frame(event: str, data: str) -> str:
     return f"event: {event}\ndata: {data}\n\n"
 
 
-async def server_sent(events: AsyncIterator[Any], timeout_s: float) -> AsyncIterator[str]:
+async def server_sent(events: AsyncGenerator[Any, None], timeout_s: float) -> AsyncIterator[str]:
     """Each event as one SSE frame, within `timeout_s` in all; a failure becomes a last `error` frame."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -199,22 +218,8 @@ async def server_sent(events: AsyncIterator[Any], timeout_s: float) -> AsyncIter
         await events.aclose()
 
 
-def build_api(ingress: Ingress) -> FastAPI:
-    api = FastAPI(
-        title="omniserve",
-        description="Reproducible two-stage (LLM -> diffusion) generation; OpenAI-compatible Images and Chat routes.",
-    )
-    api.router.route_class = BodyCheckedRoute
-    headers = ingress.switch_headers
-    timeout_s = ingress.config.ingress.request_timeout_s
-
-    async def respond(work: Awaitable[Any]) -> Any:
-        """Run one route's work under the request time limit; the only place a route's exception becomes HTTP."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await work
-        except Exception as exc:
-            return error_response(http_error(exc))
+def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any]) -> None:
+    """The switch headers on every response, the request metrics, and OpenAI's error shape for FastAPI's own errors."""
 
     @api.middleware("http")
     async def switch_headers(request: Request, call_next) -> Response:
@@ -233,11 +238,32 @@ def build_api(ingress: Ingress) -> FastAPI:
         # Unknown paths, wrong methods, unreadable bodies: same body shape all the same.
         return error_response(http_error(exc))
 
+
+def build_api(ingress: Ingress) -> FastAPI:
+    api = FastAPI(
+        title="omniserve",
+        description="Reproducible two-stage (LLM -> diffusion) generation; OpenAI-compatible Images and Chat routes.",
+    )
+    api.router.route_class = BodyCheckedRoute
+    timeout_s = ingress.config.ingress.request_timeout_s
+
+    async def respond(work: Awaitable[Any]) -> Any:
+        """Run one route's work under the request time limit; the only place a route's exception becomes HTTP."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await work
+        except Exception as exc:
+            return error_response(http_error(exc))
+
+    _answer_every_request_alike(api, ingress.switch_headers)
+
     @api.post("/v1/images/generations", response_model=ImagesResponse, responses={**ERRORS, **STREAMED})
     async def images_generations(body: ImageGenerationRequest):
         return await respond(images_or_events(ingress, body, timeout_s))
 
-    @api.post("/v1/images/edits", response_model=ImagesResponse, responses={**ERRORS, **STREAMED}, openapi_extra=EDIT_BODY)
+    @api.post(
+        "/v1/images/edits", response_model=ImagesResponse, responses={**ERRORS, **STREAMED}, openapi_extra=EDIT_BODY
+    )
     async def images_edits(request: Request):
         return await respond(edit_images(ingress, request, timeout_s))
 

@@ -9,9 +9,10 @@ resolved here, once, in the process that builds the app (`AppConfig.with_resolve
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
+from ray.serve import Deployment
 
 from stages.diffusion import DiffusionStage
 from stages.llm import LLMStage
@@ -24,11 +25,22 @@ def build_app(config: AppConfig | Mapping[str, Any] | None = None) -> serve.Appl
     """The whole app from one config (None: the embedded defaults, offline on 2 CPUs)."""
     config = config if isinstance(config, AppConfig) else AppConfig.model_validate(config or {})
     config = config.with_resolved_switches()
-    llm = LLMStage.options(name=DEPLOYMENT_NAMES["llm"], **config.llm.deployment_options()).bind(config.llm)
-    diffusion = DiffusionStage.options(name=DEPLOYMENT_NAMES["diffusion"], **config.diffusion.deployment_options()).bind(
-        config.diffusion
+    # @serve.deployment made each class a Deployment; mypy does not apply class decorators.
+    llm = (
+        cast(Deployment, LLMStage)
+        .options(name=DEPLOYMENT_NAMES["llm"], **config.llm.deployment_options())
+        .bind(config.llm)
     )
-    return Ingress.options(name=DEPLOYMENT_NAMES["ingress"], **config.ingress.deployment_options()).bind(llm, diffusion, config)
+    diffusion = (
+        cast(Deployment, DiffusionStage)
+        .options(name=DEPLOYMENT_NAMES["diffusion"], **config.diffusion.deployment_options())
+        .bind(config.diffusion)
+    )
+    return (
+        cast(Deployment, Ingress)
+        .options(name=DEPLOYMENT_NAMES["ingress"], **config.ingress.deployment_options())
+        .bind(llm, diffusion, config)
+    )
 
 
 def app_builder(args: Mapping[str, Any] | None = None) -> serve.Application:

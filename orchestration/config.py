@@ -22,7 +22,7 @@ from contracts.config import (
     IngressConfig,
     LLMStageConfig,
 )
-from contracts.invariance import STAGES, resolve_batch_invariant
+from contracts.invariance import STAGES, Switches, resolve_batch_invariant
 
 #: Deployment names (fixed: Serve config files, /health and operators refer to them).
 DEPLOYMENT_NAMES = {"ingress": "Ingress", "llm": "LLMStage", "diffusion": "DiffusionStage"}
@@ -44,25 +44,27 @@ class AppConfig(BaseModel):
         Done once, in the process that builds the app: a replica on another node never consults the
         builder's environment, and the ingress reports exactly the values the stages were given.
         """
-        update = {
+        update: dict[str, Any] = {
             stage: getattr(self, stage).model_copy(
-                update={"batch_invariant": resolve_batch_invariant(stage, override=getattr(self, stage).batch_invariant)}
+                update={
+                    "batch_invariant": resolve_batch_invariant(stage, override=getattr(self, stage).batch_invariant)
+                }
             )
             for stage in STAGES
         }
         return self.model_copy(update=update)
 
     @property
-    def switches(self) -> dict[str, bool]:
-        """{stage: batch_invariant}; call on a resolved config."""
-        return {stage: bool(getattr(self, stage).batch_invariant) for stage in STAGES}
+    def switches(self) -> Switches:
+        """Both stages' switches; call on a resolved config."""
+        return Switches(llm=bool(self.llm.batch_invariant), diffusion=bool(self.diffusion.batch_invariant))
 
     @property
     def rewrite_cache_entries(self) -> int:
         """The ingress's rewrite cache bound; unset: on (DEFAULT_REWRITE_CACHE_ENTRIES) only when the LLM is invariant."""
         if self.ingress.rewrite_cache_entries is not None:
             return self.ingress.rewrite_cache_entries
-        return DEFAULT_REWRITE_CACHE_ENTRIES if self.switches["llm"] else 0
+        return DEFAULT_REWRITE_CACHE_ENTRIES if self.switches.llm else 0
 
     def deployment(self, part: str) -> DeploymentConfig:
         return getattr(self, part)

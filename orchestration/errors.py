@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -48,7 +50,7 @@ def _retry_after(seconds: float | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds or 1)))}
 
 
-def client_error(errors: list[dict], root: tuple[str, ...] = ()) -> HTTPError:
+def client_error(errors: Sequence[Mapping[str, Any]], root: tuple[str, ...] = ()) -> HTTPError:
     """A 400 for pydantic errors (a request body FastAPI validated has `root=("body",)`)."""
     message, param, code = describe_validation_error(errors, root=root)
     return HTTPError(400, "invalid_request_error", message, param, code)
@@ -67,22 +69,36 @@ def http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, OmniError):
         return HTTPError(exc.status_code, exc.error_type, exc.message, exc.param, exc.code)
     if isinstance(exc, BackPressureError):
-        return HTTPError(503, "server_overloaded", f"the server is busy: {exc.message} Retry shortly.",
-                         code="queue_full", headers=_retry_after(exc.retry_after_s))
+        return HTTPError(
+            503,
+            "server_overloaded",
+            f"the server is busy: {exc.message} Retry shortly.",
+            code="queue_full",
+            headers=_retry_after(exc.retry_after_s),
+        )
     if isinstance(exc, ValidationError) and is_request_error(exc):
         return client_error(exc.errors(include_url=False))
     if isinstance(exc, ClientDisconnect):  # nobody reads the answer; not the server's failure either
-        return HTTPError(400, "invalid_request_error", "the client disconnected before its body was read", code="client_disconnected")
+        return HTTPError(
+            400, "invalid_request_error", "the client disconnected before its body was read", code="client_disconnected"
+        )
     if isinstance(exc, HTTPException):
         # Routing errors from FastAPI itself: unknown path (404), wrong method (405).
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return HTTPError(exc.status_code, kind, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
     if isinstance(exc, TimeoutError):
         return HTTPError(504, "timeout", "the request did not finish within the server's time limit", code="timeout")
-    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError)) or (
+    if isinstance(
+        exc, (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError)
+    ) or (
         type(exc).__name__ in ("EngineDeadError", "NodeDiedError")  # vLLM's engine core, or a node, is gone
     ):
-        return HTTPError(503, "server_unavailable", "a stage is unavailable; retry shortly", code="stage_unavailable",
-                         headers=_retry_after(5))
+        return HTTPError(
+            503,
+            "server_unavailable",
+            "a stage is unavailable; retry shortly",
+            code="stage_unavailable",
+            headers=_retry_after(5),
+        )
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return HTTPError(500, "server_error", "internal server error (logged on the server)", code="internal_error")

@@ -37,9 +37,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from contracts.config import DeploymentConfig
-from contracts.invariance import STAGES
+from contracts.invariance import STAGES, Stage
 from contracts.results import StageDescription
 from contracts.scope import Verdict
 
@@ -153,29 +154,39 @@ def stage_health(switch: bool, wanted: int, replicas: dict[str, Any], answers: A
     health = StageHealth(state=state, reasons=reasons, batch_invariant=switch, replicas=replicas)
     if answers and not isinstance(answers, BaseException):
         answer = answers[0]
-        health = health.model_copy(update=dict(
-            model=redact(answer.model), kernel_backend=answer.kernel_backend, kernels_installed=answer.kernels_installed,
-            kernels=redact(answer.kernels),
-            describe={"replica": answer.replica, "running": answer.running,
-                      "details": redact({k: v for k, v in answer.details.items() if k in PUBLIC_DETAILS})},
-            replicas_described=len(answers),
-            verified=all(a.verified for a in answers),
-            scope={a.replica or "unknown": Verdict(verified=a.verified, differences=redact(a.scope_differences),
-                                                   by=redact(a.verified_by))
-                   for a in answers},
-        ))
+        health = health.model_copy(
+            update=dict(
+                model=redact(answer.model),
+                kernel_backend=answer.kernel_backend,
+                kernels_installed=answer.kernels_installed,
+                kernels=redact(answer.kernels),
+                describe={
+                    "replica": answer.replica,
+                    "running": answer.running,
+                    "details": redact({k: v for k, v in answer.details.items() if k in PUBLIC_DETAILS}),
+                },
+                replicas_described=len(answers),
+                verified=all(a.verified for a in answers),
+                scope={
+                    a.replica or "unknown": Verdict(
+                        verified=a.verified, differences=redact(a.scope_differences), by=redact(a.verified_by)
+                    )
+                    for a in answers
+                },
+            )
+        )
     return health
 
 
 class HealthProbe:
-    def __init__(self, handles: dict[str, Any], config: AppConfig):
+    def __init__(self, handles: dict[Stage, DeploymentHandle], config: AppConfig):
         self.handles = handles
         self.config = config
 
-    async def describe(self, stage: str) -> StageDescription:
+    async def describe(self, stage: Stage) -> StageDescription:
         return await asyncio.wait_for(self.handles[stage].describe.remote(), self.config.ingress.health_timeout_s)
 
-    async def describe_replicas(self, stage: str, running: int | None) -> list[StageDescription] | BaseException:
+    async def describe_replicas(self, stage: Stage, running: int | None) -> list[StageDescription] | BaseException:
         """One description per replica that answered (two calls per RUNNING replica, at once), else the error."""
         calls = min(2 * (running or 1), MAX_DESCRIBE_CALLS)
         results = await asyncio.gather(*(self.describe(stage) for _ in range(calls)), return_exceptions=True)
@@ -186,10 +197,14 @@ class HealthProbe:
         replicas = await asyncio.to_thread(self.replica_counts)
         asked = [stage for stage in STAGES if replicas[stage].get("running") != 0]  # never wake a stage scaled to zero
         described = [self.describe_replicas(stage, replicas[stage].get("running")) for stage in asked]
-        answers = dict(zip(asked, await asyncio.gather(*described)))
+        answers = dict(zip(asked, await asyncio.gather(*described), strict=True))
         stages = {
-            stage: stage_health(self.config.switches[stage], wanted_replicas(self.config.deployment(stage)),
-                                replicas[stage], answers.get(stage))
+            stage: stage_health(
+                self.config.switches.of(stage),
+                wanted_replicas(self.config.deployment(stage)),
+                replicas[stage],
+                answers.get(stage),
+            )
             for stage in STAGES
         }
         states = {health.state for health in stages.values()}
@@ -202,7 +217,9 @@ class HealthProbe:
 
     def replica_counts(self) -> dict[str, dict]:
         """Configured and running replicas per deployment, from Serve's status (config alone if unavailable)."""
-        counts = {part: {"configured": self.config.deployment(part).configured_replicas} for part in DEPLOYMENT_NAMES}
+        counts: dict[str, dict[str, Any]] = {
+            part: {"configured": self.config.deployment(part).configured_replicas} for part in DEPLOYMENT_NAMES
+        }
         try:
             app = serve.status().applications[serve.get_replica_context().app_name]
             for part, name in DEPLOYMENT_NAMES.items():

@@ -2,17 +2,20 @@
 
     admit_images(request, config) -> ImagePlan     no replica involved: every 4xx is decided here
     admit_edit(request, config) -> ImagePlan       the same, for an edit: its image admitted, its size the image's
-    ImagePipeline.run(plan) -> [ImageResult]       n images concurrently, so the diffusion stage co-batches
-                                                   (an edit's images: DiffusionStage.edit with the plan's image)
-    ImagePipeline.stream(plan, k) -> (i, item)...  the same, streamed: each image's PartialImage previews as the
-                                                   diffusion stage decodes them, then its ImageResult
+    ImagePipeline.items(plan) -> (i, item)...      n images concurrently, so the diffusion stage co-batches: per
+                                                   image a RenderJob (`contracts.jobs`) to the stage's one entry
+                                                   point, its PartialImage previews (as many as the plan asks for:
+                                                   none unless streamed) as they come, then its ImageResult; the
+                                                   same for generations, edits and streams
+    results(plan, items) -> [ImageResult]          the images alone, in order (a response written whole)
     RewriteCache                                   rewrites already made, by (prompt, seeded params): bounded LRU
 
 Image i is a pure function of (prompt, parameters, s_i), with s_i = seed_for_image(seed, i): a request
 with n=1 and seed=s_i reproduces it bit for bit, revised prompt included, streamed or not: each image's origin
 (the client's prompt, the rewrite and its params) goes to the diffusion stage, which writes it into the PNG
 (`contracts.provenance`). The stages admit what they are handed again, with the same functions (contracts.admission).
-A streamed image is not retried: its previews have been sent (a failure ends the stream with an error event).
+An image is sent again after an infrastructure failure only while none of its items has come: once a preview has
+been sent, a failure ends the stream with an error event.
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
+
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from contracts.admission import admit_diffusion_params, admit_llm_params
 from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerationRequest, parse_size
 from contracts.images import admit_image, edit_size
+from contracts.jobs import RenderJob
 from contracts.provenance import ImageOrigin
 from contracts.results import PartialImage, RenderedImage, RevisedPrompt
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
-from contracts.seeds import pick_seed, seeds_for_request
+from contracts.seeds import seed_or_picked, seeds_for_request
 
 from .config import AppConfig
 from .retries import Retrying
@@ -37,21 +43,21 @@ from .retries import Retrying
 
 @dataclass(frozen=True)
 class ImagePlan:
-    """An admitted request: the prompt, whether to enhance it, and each image's own params."""
+    """An admitted request: the prompt, whether to enhance it, each image's own params, what it streams."""
 
     prompt: str
     enhance: bool
     seed: int  # s_0: the request's seed, or the one the server picked (invariance off only)
-    seed_picked_by_server: bool
     llm_params: list[LLMSamplingParams]  # per image (empty when enhance is off)
     diffusion_params: list[DiffusionSamplingParams]  # per image
     image: bytes | None = None  # an edit's image (None: a generation)
+    partial_images: int = 0  # previews per image before it (a streamed request's; 0: the image alone)
 
     @property
     def images(self) -> list[tuple[LLMSamplingParams | None, DiffusionSamplingParams]]:
         """Each image's (rewrite params, None when enhancement is off; diffusion params)."""
         llm = self.llm_params if self.enhance else [None] * len(self.diffusion_params)
-        return list(zip(llm, self.diffusion_params))
+        return list(zip(llm, self.diffusion_params, strict=True))
 
 
 @dataclass(frozen=True)
@@ -66,16 +72,16 @@ def admit_images(request: ImageGenerationRequest, config: AppConfig) -> ImagePla
     asked = request.diffusion_params(request.seed)
     config.diffusion.check_limits(asked)
     config.diffusion.check_request_work(request.count, asked)
-    admit_diffusion_params(asked, batch_invariant=config.switches["diffusion"])
-    seed = request.seed if request.seed is not None else pick_seed()
+    admit_diffusion_params(asked, batch_invariant=config.switches.diffusion)
+    seed = seed_or_picked(request.seed)
     seeds = seeds_for_request(seed, request.count)
     return ImagePlan(
         prompt=request.prompt,
         enhance=request.enhance_prompt,
         seed=seed,
-        seed_picked_by_server=request.seed is None,
         llm_params=[config.llm.enhance_params(s) for s in seeds] if request.enhance_prompt else [],
         diffusion_params=[request.diffusion_params(s) for s in seeds],
+        partial_images=(request.partial_images or 0) if request.stream else 0,
     )
 
 
@@ -89,10 +95,9 @@ def admit_edit(request: ImageEditRequest, config: AppConfig) -> ImagePlan:
 
 def admit_chat(request: ChatCompletionRequest, config: AppConfig) -> LLMSamplingParams:
     """The chat request's sampling params; a seedless sampled request is refused under LLM invariance."""
-    params = admit_llm_params(request.llm_params(request.seed), batch_invariant=config.switches["llm"])
-    if params.seed is None and params.temperature != 0:
-        # Invariance off: pick one and report it, so the completion can be reproduced.
-        params = LLMSamplingParams.from_params(params, seed=pick_seed())
+    params = admit_llm_params(request.llm_params(request.seed), batch_invariant=config.switches.llm)
+    if params.seed is None and params.temperature != 0:  # greedy needs none
+        params = LLMSamplingParams.from_params(params, seed=seed_or_picked(params.seed))
     return params
 
 
@@ -139,13 +144,24 @@ class RewriteCache:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {"max_entries": self.max_entries, "entries": len(self._entries), "hits": self.hits, "misses": self.misses}
+        return {
+            "max_entries": self.max_entries,
+            "entries": len(self._entries),
+            "hits": self.hits,
+            "misses": self.misses,
+        }
 
 
 class ImagePipeline:
     """Calls the stages through their DeploymentHandles; only contracts types cross."""
 
-    def __init__(self, llm, diffusion, retrying: Retrying, rewrites: RewriteCache | None = None):
+    def __init__(
+        self,
+        llm: DeploymentHandle,
+        diffusion: DeploymentHandle,
+        retrying: Retrying,
+        rewrites: RewriteCache | None = None,
+    ):
         self.llm = llm
         self.diffusion = diffusion
         self.retrying = retrying
@@ -155,44 +171,49 @@ class ImagePipeline:
         """The prompt's rewrite: kept from before, else from the LLM stage (and then kept)."""
         rewrite = self.rewrites.get(prompt, llm_params)
         if rewrite is None:
-            rewrite = await self.retrying.call("the LLM stage's rewrite", lambda: self.llm.enhance.remote(prompt, llm_params))
+            rewrite = cast(
+                RevisedPrompt,
+                await self.retrying.call(
+                    "the LLM stage's rewrite", lambda: self.llm.enhance.remote(prompt, llm_params)
+                ),
+            )
             self.rewrites.put(prompt, llm_params, rewrite)
         return rewrite
 
-    async def origin(self, prompt: str, llm_params: LLMSamplingParams | None) -> tuple[RevisedPrompt | None, ImageOrigin]:
+    async def origin(
+        self, prompt: str, llm_params: LLMSamplingParams | None
+    ) -> tuple[RevisedPrompt | None, ImageOrigin]:
         """The rewrite of one image's prompt (None when enhancement is off) and the origin its PNG records."""
         rewrite = None if llm_params is None else await self.rewrite(prompt, llm_params)
         return rewrite, ImageOrigin.of(prompt, rewrite)
 
-    async def image(self, prompt: str, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams,
-                    init_image: bytes | None = None) -> ImageResult:
-        rewrite, origin = await self.origin(prompt, llm_params)
-        prompt = rewrite.revised_prompt if rewrite else prompt
-        if init_image is None:
-            image = await self.retrying.call("a render", lambda: self.diffusion.generate.remote(prompt, params, origin))
-        else:
-            image = await self.retrying.call("an edit", lambda: self.diffusion.edit.remote(prompt, init_image, params, origin))
-        return ImageResult(revised_prompt=prompt, image=image, rewrite=rewrite)
+    async def image(
+        self, plan: ImagePlan, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams
+    ) -> AsyncIterator[PartialImage | ImageResult]:
+        """One image: its rewrite, then its RenderJob's previews from the diffusion stage, then its ImageResult."""
+        rewrite, origin = await self.origin(plan.prompt, llm_params)
+        prompt = rewrite.revised_prompt if rewrite else plan.prompt
+        job = RenderJob(
+            prompt=prompt, params=params, origin=origin, image=plan.image, partial_images=plan.partial_images
+        )
+        what = "a render" if plan.image is None else "an edit"
+        # A handle with stream=True answers with a DeploymentResponseGenerator.
+        async for item in self.retrying.stream(
+            what, lambda: cast(DeploymentResponseGenerator, self.diffusion.options(stream=True).render.remote(job))
+        ):
+            yield (
+                item
+                if isinstance(item, PartialImage)
+                else ImageResult(revised_prompt=prompt, image=item, rewrite=rewrite)
+            )
 
-    async def image_stream(self, prompt: str, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams,
-                           init_image: bytes | None, partial_images: int) -> AsyncIterator[PartialImage | ImageResult]:
-        """One image streamed: its previews from the diffusion stage (`DiffusionStage.stream`), then its result."""
-        rewrite, origin = await self.origin(prompt, llm_params)
-        prompt = rewrite.revised_prompt if rewrite else prompt
-        items = self.diffusion.options(stream=True).stream.remote(prompt, params, init_image, origin, partial_images)
-        async for item in items:
-            yield item if isinstance(item, PartialImage) else ImageResult(revised_prompt=prompt, image=item, rewrite=rewrite)
-
-    async def run(self, plan: ImagePlan) -> list[ImageResult]:
-        return await gather_or_cancel([self.image(plan.prompt, llm_params, params, plan.image) for llm_params, params in plan.images])
-
-    async def stream(self, plan: ImagePlan, partial_images: int) -> AsyncIterator[tuple[int, PartialImage | ImageResult]]:
+    async def items(self, plan: ImagePlan) -> AsyncIterator[tuple[int, PartialImage | ImageResult]]:
         """(image index, preview or result) as they come, the n images rendered concurrently; the first failure
         ends the stream (raised after what came before it)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def one(index: int, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams) -> None:
-            async for item in self.image_stream(plan.prompt, llm_params, params, plan.image, partial_images):
+            async for item in self.image(plan, llm_params, params):
                 queue.put_nowait((index, item))
 
         work = asyncio.ensure_future(gather_or_cancel([one(i, *pair) for i, pair in enumerate(plan.images)]))
@@ -203,6 +224,15 @@ class ImagePipeline:
             work.result()
         finally:
             work.cancel()
+
+
+async def results(plan: ImagePlan, items: AsyncIterator[tuple[int, PartialImage | ImageResult]]) -> list[ImageResult]:
+    """The plan's images alone, in order: what a response written whole needs from `ImagePipeline.items`."""
+    done: dict[int, ImageResult] = {}
+    async for index, item in items:
+        if isinstance(item, ImageResult):
+            done[index] = item
+    return [done[index] for index in range(len(plan.diffusion_params))]
 
 
 async def gather_or_cancel(coroutines: list) -> list[Any]:

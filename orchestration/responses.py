@@ -21,6 +21,7 @@ from contracts.http import (
     StageInvariance,
     TokenLogprob,
 )
+from contracts.invariance import Switches
 from contracts.results import Completion, PartialImage, Provenance
 
 from .pipeline import ImagePlan, ImageResult
@@ -31,20 +32,43 @@ def _b64(png: bytes) -> str:
 
 
 def image_data(r: ImageResult) -> ImageData:
-    return ImageData(b64_json=_b64(r.image.png), revised_prompt=r.revised_prompt, seed=r.image.seed, sha256=r.image.sha256,
-                     replica=r.image.replica, batch_size=r.image.batch_size, steps_co_batched=r.image.steps_co_batched)
+    return ImageData(
+        b64_json=_b64(r.image.png),
+        revised_prompt=r.revised_prompt,
+        seed=r.image.seed,
+        sha256=r.image.sha256,
+        replica=r.image.replica,
+        batch_size=r.image.batch_size,
+        steps_co_batched=r.image.steps_co_batched,
+    )
 
 
 def image_event(kind: str, index: int, item: PartialImage | ImageResult) -> ImagePartialEvent | ImageCompletedEvent:
     """One server-sent event of a streamed request (`kind`: "image_generation" or "image_edit") for image `index`."""
     if isinstance(item, PartialImage):
-        return ImagePartialEvent(type=f"{kind}.partial_image", b64_json=_b64(item.png), created_at=int(time.time()),
-                                 size=f"{item.width}x{item.height}", image_index=index, partial_image_index=item.index)
+        return ImagePartialEvent(
+            type=f"{kind}.partial_image",
+            b64_json=_b64(item.png),
+            created_at=int(time.time()),
+            size=f"{item.width}x{item.height}",
+            image_index=index,
+            partial_image_index=item.index,
+        )
     text, out = (item.rewrite.prompt_tokens, len(item.rewrite.token_ids)) if item.rewrite else (0, 0)
-    usage = ImageUsage(input_tokens=text, input_tokens_details=ImageTokensDetails(text_tokens=text), output_tokens=out,
-                       total_tokens=text + out)
-    return ImageCompletedEvent(type=f"{kind}.completed", created_at=int(time.time()), size=f"{item.image.width}x{item.image.height}",
-                               image_index=index, usage=usage, **image_data(item).model_dump())
+    usage = ImageUsage(
+        input_tokens=text,
+        input_tokens_details=ImageTokensDetails(text_tokens=text),
+        output_tokens=out,
+        total_tokens=text + out,
+    )
+    return ImageCompletedEvent(
+        type=f"{kind}.completed",
+        created_at=int(time.time()),
+        size=f"{item.image.width}x{item.image.height}",
+        image_index=index,
+        usage=usage,
+        **image_data(item).model_dump(),
+    )
 
 
 def scope(results: list[Provenance]) -> dict:
@@ -53,11 +77,14 @@ def scope(results: list[Provenance]) -> dict:
         return {}
     reasons = [reason for result in results for reason in result.scope_differences]
     by = [result.verified_by for result in results if result.verified_by]
-    return {"verified": all(result.verified for result in results), "verified_by": list(dict.fromkeys(by)),
-            "scope_differences": list(dict.fromkeys(reasons))}
+    return {
+        "verified": all(result.verified for result in results),
+        "verified_by": list(dict.fromkeys(by)),
+        "scope_differences": list(dict.fromkeys(reasons)),
+    }
 
 
-def images_response(plan: ImagePlan, results: list[ImageResult], switches: dict[str, bool]) -> ImagesResponse:
+def images_response(plan: ImagePlan, results: list[ImageResult], switches: Switches) -> ImagesResponse:
     first = results[0]
     return ImagesResponse(
         created=int(time.time()),
@@ -66,13 +93,16 @@ def images_response(plan: ImagePlan, results: list[ImageResult], switches: dict[
         size=f"{first.image.width}x{first.image.height}",
         invariance={
             "llm": StageInvariance(
-                batch_invariant=switches["llm"],
+                batch_invariant=switches.llm,
                 kernel_backend=first.rewrite.kernel_backend if first.rewrite else None,
                 used=plan.enhance,
                 **scope([r.rewrite for r in results if r.rewrite]),
             ),
-            "diffusion": StageInvariance(batch_invariant=switches["diffusion"], kernel_backend=first.image.kernel_backend,
-                                         **scope([r.image for r in results])),
+            "diffusion": StageInvariance(
+                batch_invariant=switches.diffusion,
+                kernel_backend=first.image.kernel_backend,
+                **scope([r.image for r in results]),
+            ),
         },
     )
 
@@ -84,17 +114,21 @@ def _token(token_id: int) -> str:
 
 def _logprobs(result: Completion) -> ChoiceLogprobs:
     tops = result.top_logprobs or [[] for _ in result.token_ids]
-    return ChoiceLogprobs(content=[
-        ContentLogprob(
-            token=_token(token),
-            logprob=logprob,
-            top_logprobs=[TokenLogprob(token=_token(t), logprob=lp) for t, lp in top],
-        )
-        for token, logprob, top in zip(result.token_ids, result.logprobs, tops)
-    ])
+    return ChoiceLogprobs(
+        content=[
+            ContentLogprob(
+                token=_token(token),
+                logprob=logprob,
+                top_logprobs=[TokenLogprob(token=_token(t), logprob=lp) for t, lp in top],
+            )
+            for token, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=False)
+        ]
+    )
 
 
-def chat_response(result: Completion, *, seed: int | None, with_logprobs: bool, batch_invariant: bool) -> ChatCompletionResponse:
+def chat_response(
+    result: Completion, *, seed: int | None, with_logprobs: bool, batch_invariant: bool
+) -> ChatCompletionResponse:
     return ChatCompletionResponse(
         id=f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
@@ -111,6 +145,9 @@ def chat_response(result: Completion, *, seed: int | None, with_logprobs: bool, 
         system_fingerprint=f"omniserve-llm-bi{int(batch_invariant)}",
         seed=seed,
         token_ids=result.token_ids,
-        invariance={"llm": StageInvariance(batch_invariant=batch_invariant, kernel_backend=result.kernel_backend,
-                                           **scope([result]))},
+        invariance={
+            "llm": StageInvariance(
+                batch_invariant=batch_invariant, kernel_backend=result.kernel_backend, **scope([result])
+            )
+        },
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from stages.metrics import record
@@ -47,11 +47,35 @@ class Retrying:
             try:
                 return await send()
             except Exception as exc:
-                if attempt == self.attempts or not is_infrastructure_failure(exc):
-                    raise
-                self.retried += 1
-                record("omniserve_retries_total", call=what, cause=type(cause_of(exc)).__name__)
-                logger.warning("%s failed (%s); sending it again (attempt %d of %d)", what, type(cause_of(exc)).__name__,
-                               attempt + 1, self.attempts)
-                await asyncio.sleep(self.backoff_s * attempt)
+                await self._again_or_raise(what, exc, attempt)
         raise AssertionError("unreachable")
+
+    async def stream(self, what: str, send: Callable[[], AsyncIterable[T]]) -> AsyncIterator[T]:
+        """A streamed call's items, sent again after an infrastructure failure only while none has come: once an
+        item is on its way to the client, a second attempt would repeat it."""
+        for attempt in range(1, self.attempts + 1):
+            started = False
+            try:
+                async for item in send():
+                    started = True
+                    yield item
+                return
+            except Exception as exc:
+                if started:
+                    raise
+                await self._again_or_raise(what, exc, attempt)
+
+    async def _again_or_raise(self, what: str, exc: Exception, attempt: int) -> None:
+        """Return (after the backoff) when the failed call is to be sent again; else raise `exc`."""
+        if attempt == self.attempts or not is_infrastructure_failure(exc):
+            raise exc
+        self.retried += 1
+        record("omniserve_retries_total", call=what, cause=type(cause_of(exc)).__name__)
+        logger.warning(
+            "%s failed (%s); sending it again (attempt %d of %d)",
+            what,
+            type(cause_of(exc)).__name__,
+            attempt + 1,
+            self.attempts,
+        )
+        await asyncio.sleep(self.backoff_s * attempt)

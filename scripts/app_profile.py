@@ -9,10 +9,17 @@ latency, the diffusion stage's co-batching (each image's batch_size), /health sa
 active/waiting: the share of samples with no active sample is the engine's idle share), the LLM stage's counters in
 /health (when it exposes them), and CPU seconds per process (by process title) over the timed window.
 """
-import asyncio, json, os, socket, statistics, sys, time
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import time
 from collections import Counter, defaultdict
 
-import httpx, psutil
+import httpx
+import psutil
 
 N, CONC, SIZE, STEPS = 96, 16, 64, 8
 
@@ -117,6 +124,7 @@ def delta(a, b, wall):
 def main():
     import ray
     from ray import serve
+
     from orchestration import build_app
     from stages.audit.report import environment
 
@@ -162,7 +170,9 @@ def main():
     for name, _ in configs:
         v = [r["images_per_s"] for r in runs if r["name"] == name]
         summary[name] = {"images_per_s": {"min": min(v), "median": statistics.median(v), "max": max(v)}}
-    import hashlib, stages
+    import hashlib
+
+    import stages
     tree = os.path.dirname(os.path.dirname(stages.__file__))
     kernel = hashlib.sha256(open(os.path.join(tree, "stages/kernels/blocked.cpp"), "rb").read()).hexdigest()[:12]
     report = {"kind": "balance", "tree": tree, "kernel_sha": kernel, "spec": {"requests": N, "concurrency": CONC, "size": SIZE, "steps": STEPS, "enhance_prompt": True, "pool": POOL},

@@ -41,7 +41,7 @@ def _diffusion(dtype: str) -> float:
     from contracts.config import DiffusionStageConfig
     from contracts.sampling import DiffusionSamplingParams
     from stages.diffusion import DiffusionRenderer
-    from stages.engine import Sample, StepEngine
+    from stages.diffusion.engine import Sample, StepEngine
 
     config = DiffusionStageConfig(batch_invariant=True, dtype=dtype, torch_threads=1)
     renderer = DiffusionRenderer(config)

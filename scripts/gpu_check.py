@@ -265,14 +265,14 @@ def worker_main(conn, device: str, setting: str) -> None:
     try:
         tasks = Tasks(device, setting)
         conn.send({"result": tasks.kernels})
-    except Exception:  # noqa: BLE001 - the parent reports it
+    except Exception:
         conn.send({"error": traceback.format_exc()})
         return
     while (request := conn.recv()) is not None:
         name, kwargs = request
         try:
             conn.send({"result": getattr(tasks, name)(**kwargs)})
-        except Exception:  # noqa: BLE001 - one failed task fails its check, not the run
+        except Exception:
             conn.send({"error": traceback.format_exc()})
 
 
@@ -316,7 +316,7 @@ class Worker:
 
 
 def spread(values: list, digits: int = 3) -> dict:
-    from stages.bench_load import spread as rounded
+    from bench.load import spread as rounded
 
     return rounded(values, digits)
 

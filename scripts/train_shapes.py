@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.embedded.diffusion import LIBRARIES, TRAINED_PATH, weights_fingerprint  # noqa: E402
-from stages.embedded.shapes import HELD_OUT, SIZES, Scene  # noqa: E402
-from stages.embedded.shapes_training import TrainingPlan, hit_rate, train  # noqa: E402
+from stages.embedded.diffusion import LIBRARIES, TRAINED_PATH, weights_fingerprint
+from stages.embedded.shapes import HELD_OUT, SIZES, Scene
+from stages.embedded.shapes_training import TrainingPlan, hit_rate, train
 
 RECORD = "training.json"
 SEEDS = list(range(10))

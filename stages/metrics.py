@@ -11,11 +11,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from contracts.metrics import GAUGE_REFRESH_S, METRICS
 
-RenderedT = TypeVar("RenderedT")  # a contracts.results.RenderedImage
+if TYPE_CHECKING:
+    from contracts.results import RenderedImage
+
+RenderedT = TypeVar("RenderedT", bound="RenderedImage")
 _built: dict[str, Any] = {}
 _lock = threading.Lock()  # the step engine's thread and the event loop may build one at the same time
 # Every gauge's latest value by (name, labels), set again every GAUGE_REFRESH_S: Ray exports a gauge only in the
@@ -35,10 +38,16 @@ def _metric(name: str):
             metric = _built.get(name)
             if metric is None:
                 if spec.kind == "histogram":
-                    metric = metrics.Histogram(name, description=spec.meaning, boundaries=list(spec.buckets), tag_keys=spec.labels)
+                    metric = metrics.Histogram(
+                        name,
+                        description=spec.meaning,
+                        boundaries=list(spec.buckets),
+                        tag_keys=spec.labels,  # type: ignore[arg-type]  # Ray annotates tuple[str]; takes any number
+                    )
                 else:
                     kind = metrics.Counter if spec.kind == "counter" else metrics.Gauge
-                    metric = kind(name, description=spec.meaning, tag_keys=spec.labels)
+                    # Ray annotates tag_keys as tuple[str]; it takes any number of keys.
+                    metric = kind(name, description=spec.meaning, tag_keys=spec.labels)  # type: ignore[arg-type]
                 _built[name] = metric
     return metric
 

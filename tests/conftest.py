@@ -17,7 +17,7 @@ from contracts.cpu import hold_process_to_path
 # process the tests start, before any of them reads its variable: one machine runs another's paths.
 hold_process_to_path()
 
-from stages.local_serve import local_serve  # noqa: E402
+from bench.local_serve import local_serve  # noqa: E402
 
 # Ray's single-machine mode: every address Ray binds and dials is the loopback, here and in every process the
 # tests start (read when ray is first imported, which is after this file).
@@ -26,12 +26,18 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 
-def pytest_collection_modifyitems(config, items):
-    """Whole modules to one xdist worker (their module fixtures start once there); the orchestration package's
-    modules that share its app (tests/orchestration/conftest.py: `server`) to one worker together."""
-    for item in items:
-        shared_app = "server" in getattr(item, "fixturenames", ()) and "/orchestration/" in item.nodeid
-        item.add_marker(pytest.mark.xdist_group("orchestration-app" if shared_app else item.nodeid.split("::")[0]))
+def pytest_xdist_make_scheduler(config, log):
+    """Two xdist workers (pyproject's addopts): each test module whole on one worker, so its module fixtures start
+    once; the orchestration package whole on one, since its modules share one app (tests/orchestration/conftest.py).
+    (xdist's own `loadgroup` marks do not reach its node ids under pytest 9, measured: modules were split.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/orchestration" if path.startswith("tests/orchestration/") else path
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

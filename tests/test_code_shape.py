@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("contracts", "stages", "orchestration")
+SERVED = ("contracts", "stages", "orchestration")  # what runs in the app
+DRIVERS = ("bench", "cli")  # what starts and measures it, from outside
+PACKAGES = SERVED + DRIVERS
 SOURCES = sorted(path for package in PACKAGES for path in (ROOT / package).rglob("*.py"))
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 150, 60
 
@@ -18,6 +20,14 @@ def relative(path: Path) -> str:
 
 def test_the_package_sources_are_found():
     assert len(SOURCES) > 20 and all(path.suffix == ".py" for path in SOURCES)
+
+
+def test_the_served_packages_import_no_driver():
+    # Drivers import the served packages, never the reverse: a replica never loads a benchmark or the CLI.
+    found = [f"{relative(path)}:{number}" for path in SOURCES if path.parts[len(ROOT.parts)] in SERVED
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if re.match(r"\s*(from|import)\s+(bench|cli)\b", line)]
+    assert not found, found
 
 
 def units(path: Path):
@@ -58,6 +68,8 @@ ONE_DEFINITION = {
     "the seed range (low)": r"^MIN_SEED\s*=",
     "the seed range (high)": r"^MAX_SEED\s*=",
     "the seed picker": r"^def pick_seed\b",
+    "a seed picked by the server": r"(?<!def )\bpick_seed\(\)",
+    "the seed -> generator rule": r"\.manual_seed\(params\.seed\)",
     "a random seed drawn": r"\brandbits\(",
     "the switch parser": r"^def parse_switch\b",
     "vLLM's switch parser": r"^def parse_vllm_bool\b",
@@ -77,3 +89,8 @@ ONE_DEFINITION = {
 def test_each_rule_has_exactly_one_home(rule):
     found = occurrences(ONE_DEFINITION[rule])
     assert len(found) == 1, f"{rule}: {found}"
+
+
+def test_vllms_private_names_are_read_in_one_adapter_only():
+    found = {relative(path) for path in SOURCES if re.search(r"_batch_invariant_(LIB|MODE)\b", path.read_text())}
+    assert found == {"stages/kernels/vllm_mode.py"}

@@ -36,5 +36,5 @@ def test_environment_has_no_cuda_only_torch_addons_beside_cpu_torch(name):
 
 
 def test_environment_cli_help_works():
-    done = subprocess.run([sys.executable, "-m", "orchestration.cli", "--help"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "cli.main", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "omniserve" in done.stdout

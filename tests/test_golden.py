@@ -9,7 +9,7 @@ CPU can run (OMNISERVE_CPU_ISA), ATen, oneDNN and MKL held to the same level.
 import pytest
 
 from contracts.scope import compare_golden, load_golden
-from stages.golden import diffusion_column
+from stages.diffusion.golden import diffusion_column
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_golden_a_differing_output_is_named_with_its_path():
 
 
 def test_golden_llm_requests_give_this_paths_token_ids_and_logprobs():
-    from stages.golden import llm_column
+    from stages.diffusion.golden import llm_column
 
     column = llm_column()  # refuses to exist if a co-batched target differs from its solo run
     _assert_reproduces_its_column(column, "the llm", "omniserve golden --record --stages llm")

@@ -3,7 +3,7 @@
 For each model, a target request runs solo and co-batched (target first, last, middle,
 reversed, shuffled, a neighbour's prompt mutated; batch sizes 1 to 8), with kernels off
 (the control) and on, through one of the stage's two paths:
-  engine    the step engine that serves (`stages.engine`): the neighbours also differ in step count and
+  engine    the step engine that serves (`stages.diffusion.engine`): the neighbours also differ in step count and
             guidance, so they leave while the target runs on and share its forwards at other timesteps;
   pipeline  the diffusers pipeline itself on a whole-request batch of one key (request-level batching).
 Compared bit for bit: initial latents, final latents and decoded pixels. On a mismatch on the pipeline
@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -47,14 +48,17 @@ class Sample:
     pixels: torch.Tensor
 
 
-def stock_renderer(model: str, *, batch_invariant: bool, dtype: str = "float32",
-                   torch_threads: int | None = None) -> DiffusionRenderer:
+def stock_renderer(
+    model: str, *, batch_invariant: bool, dtype: str = "float32", torch_threads: int | None = None
+) -> DiffusionRenderer:
     """The stage's own renderer, from stock kernels; it installs the kernels itself when `batch_invariant`.
 
     torch_threads=None: torch's own thread count, as the audit and the benchmark have always measured.
     """
     disable_batch_invariant_kernels()
-    config = DiffusionStageConfig(model=model, batch_invariant=batch_invariant, dtype=dtype, torch_threads=torch_threads)
+    config = DiffusionStageConfig(
+        model=model, batch_invariant=batch_invariant, dtype=dtype, torch_threads=torch_threads
+    )
     return DiffusionRenderer(config)
 
 
@@ -86,7 +90,9 @@ def batches(batch_sizes: Sequence[int], orderings: Sequence[str]) -> list[tuple[
     return plans
 
 
-def render(renderer: DiffusionRenderer, requests: list[tuple[str, int]], params: DiffusionSamplingParams) -> list[Sample]:
+def render(
+    renderer: DiffusionRenderer, requests: list[tuple[str, int]], params: DiffusionSamplingParams
+) -> list[Sample]:
     """Run one batch through the stage's renderer, capturing initial and final latents per sample."""
     captured: dict[str, torch.Tensor] = {}
     pipe = renderer.pipe
@@ -115,17 +121,22 @@ def render(renderer: DiffusionRenderer, requests: list[tuple[str, int]], params:
 ENGINE_VARIANTS = ({"steps": 0.5, "guidance_scale": 1.0}, {"steps": 1.5}, {"steps": 1.0, "guidance_scale": 9.0})
 
 
-def render_engine(renderer: DiffusionRenderer, requests: list[tuple[str, int]], params: DiffusionSamplingParams) -> list[Sample]:
+def render_engine(
+    renderer: DiffusionRenderer, requests: list[tuple[str, int]], params: DiffusionSamplingParams
+) -> list[Sample]:
     """Run the requests through the step engine together; the target (the params' request) keeps `params`."""
-    from stages.engine import Sample as Item, StepEngine
+    from stages.diffusion.engine import Sample as Item
+    from stages.diffusion.engine import StepEngine
 
+    assert renderer.family is not None  # the audited models' pipelines are ones the step engine knows
     engine = StepEngine(renderer.family, max_batch_size=len(requests), torch_threads=renderer.torch_threads)
     items = []
     for index, (prompt, seed) in enumerate(requests):
-        fields = {"seed": seed}
+        fields: dict[str, Any] = {"seed": seed}
         if (prompt, seed) != TARGET:
             variant = dict(ENGINE_VARIANTS[index % len(ENGINE_VARIANTS)])
-            fields["num_inference_steps"] = max(1, round(params.num_inference_steps * variant.pop("steps")))
+            steps = cast(int, params.num_inference_steps)  # resolved params: set
+            fields["num_inference_steps"] = max(1, round(steps * variant.pop("steps")))
             fields.update(variant)
         items.append(Item(prompt, params.model_copy(update=fields), on_done=None))
     initial: dict[int, torch.Tensor] = {}
@@ -135,20 +146,24 @@ def render_engine(renderer: DiffusionRenderer, requests: list[tuple[str, int]], 
         prepare(item)
         initial[id(item)] = item.latents.detach().clone()
 
-    renderer.family.prepare = capture
+    # This instance's own, for this render only (`del` below uncovers the method again).
+    renderer.family.prepare = capture  # type: ignore[method-assign,assignment]
     try:
         images = engine.render(items)
     finally:
         del renderer.family.prepare
         engine.stop()
-    return [Sample(initial[id(item)][0], item.latents[0].detach().clone(), torch.from_numpy(image)) for item, image in zip(items, images)]
+    return [
+        Sample(initial[id(item)][0], item.latents[0].detach().clone(), torch.from_numpy(image))
+        for item, image in zip(items, images, strict=False)
+    ]
 
 
 RENDER_PATHS = {"engine": render_engine, "pipeline": render}
 
 
 def compare(reference: Sample, other: Sample) -> dict:
-    counts = {}
+    counts: dict[str, float] = {}
     for name in ("initial_latents", "final_latents", "pixels"):
         a, b = getattr(reference, name), getattr(other, name)
         counts[f"{name}_differing"] = int((a != b).sum())
@@ -160,10 +175,13 @@ def compare(reference: Sample, other: Sample) -> dict:
     return counts
 
 
-def first_divergent_module(renderer: DiffusionRenderer, order: list[tuple[str, int]], target: int, params) -> str | None:
+def first_divergent_module(
+    renderer: DiffusionRenderer, order: list[tuple[str, int]], target: int, params
+) -> str | None:
     """The first module (in execution order) whose output for the target differs solo vs in `order`."""
 
     def trace(requests, position) -> list[tuple[str, torch.Tensor]]:
+        calls: dict[str, int]
         size, records, calls, hooks = len(requests), [], {}, []
 
         def hook_for(name):
@@ -202,6 +220,22 @@ def first_divergent_module(renderer: DiffusionRenderer, order: list[tuple[str, i
     return None
 
 
+def _run_row(model: str, setting: str, ordering: str, order: list, target: int, **held: Any) -> dict:
+    """One run's row of the report, before its counts."""
+    size, steps, path = held["size"], held["steps"], held["path"]
+    return {
+        "stage": "diffusion",
+        "model": model,
+        "kernels": setting,
+        "ordering": ordering,
+        "batch_size": len(order),
+        "target_position": target,
+        "dtype": held["dtype"],
+        "detail": f"{size}x{size}, {steps} steps, {path}",
+        "path": path,
+    }
+
+
 def audit_model(
     model: str,
     *,
@@ -216,11 +250,12 @@ def audit_model(
     log: Callable[[str], None] = print,
     torch_threads: int | None = None,
     scope: list[dict] | None = None,
-) -> tuple[list[dict], dict[str, list[Sample]]]:
+) -> tuple[list[dict], dict[str, list[Sample | None]]]:
     """All runs for one model; also returns (solo, co-batched) samples of the worst run per setting, for pictures.
 
     `scope`, when given, receives the kernels-on configuration (`stages.audit.record.scope_entry`)."""
-    runs, examples = [], {}
+    runs: list[dict] = []
+    examples: dict[str, list[Sample | None]] = {}  # (solo, the worst co-batched; None: none ran)
     plans = batches(batch_sizes, orderings)
     render_path = RENDER_PATHS[path]
     locate = locate and path == "pipeline"  # module hooks see one request's rows only on the pipeline path
@@ -228,39 +263,45 @@ def audit_model(
         renderer = stock_renderer(model, batch_invariant=setting == "on", dtype=dtype, torch_threads=torch_threads)
         if setting == "on" and scope is not None:
             batching = "step" if path == "engine" else "request"
-            scope.append(scope_entry(model, diffusion_configuration(renderer, batching), sizes=[f"{size}x{size}"], steps=steps))
-        params = renderer.resolve(DiffusionSamplingParams(seed=TARGET[1], num_inference_steps=steps, height=size, width=size))
+            scope.append(
+                scope_entry(model, diffusion_configuration(renderer, batching), sizes=[f"{size}x{size}"], steps=steps)
+            )
+        params = renderer.resolve(
+            DiffusionSamplingParams(seed=TARGET[1], num_inference_steps=steps, height=size, width=size)
+        )
         solo = render_path(renderer, [TARGET], params)[0]
-        worst = (-1, None)
+        worst: tuple[int, Sample | None] = (-1, None)
         for ordering, order, target in plans:
             sample = render_path(renderer, order, params)[target]
             counts = compare(solo, sample)
-            run = {
-                "stage": "diffusion", "model": model, "kernels": setting, "ordering": ordering,
-                "batch_size": len(order), "target_position": target, "dtype": dtype,
-                "detail": f"{size}x{size}, {steps} steps, {path}", "path": path, **counts,
-            }
+            run = _run_row(model, setting, ordering, order, target, dtype=dtype, size=size, steps=steps, path=path)
+            run.update(counts)
             # Locating costs two traced renders: do it for every failure with kernels on, and once
             # per model for the control (where every arrangement diverges at the same place).
-            located = any("first_divergent_module" in r for r in runs if r["model"] == model and r["kernels"] == setting)
+            located = any(
+                "first_divergent_module" in r for r in runs if r["model"] == model and r["kernels"] == setting
+            )
             if counts["differing_elements"] and locate and (setting == "on" or not located):
                 run["first_divergent_module"] = first_divergent_module(renderer, order, target, params)
             runs.append(run)
             if counts["differing_elements"] > worst[0]:
                 worst = (counts["differing_elements"], sample)
-            log(f"[diffusion audit] {model} kernels={setting} batch={len(order)} {ordering}: "
+            log(
+                f"[diffusion audit] {model} kernels={setting} batch={len(order)} {ordering}: "
                 f"{counts['differing_elements']}/{counts['total_elements']} differ"
-                + (f" (first at {run['first_divergent_module']})" if "first_divergent_module" in run else ""))
+                + (f" (first at {run['first_divergent_module']})" if "first_divergent_module" in run else "")
+            )
         examples[setting] = [solo, worst[1]]
     disable_batch_invariant_kernels()
     return runs, examples
 
 
-def picture(examples: dict[str, list[Sample]], path: str, scale: int = 4) -> None:
+def picture(examples: dict[str, list[Sample | None]], path: str, scale: int = 4) -> None:
     """PNG: solo | co-batched | |difference| heatmap; control row over invariant row; one colour scale."""
     from PIL import Image, ImageDraw
 
-    rows = [(setting, pair) for setting, pair in examples.items() if pair[1] is not None]
+    # The solo sample is always there; a pair with its co-batched one too is drawn.
+    rows = [(setting, cast(list[Sample], pair)) for setting, pair in examples.items() if pair[1] is not None]
     diffs = {setting: (pair[0].pixels.double() - pair[1].pixels.double()).abs().amax(-1) for setting, pair in rows}
     top = max((float(d.max()) for d in diffs.values()), default=0.0) or 1.0
     height, width = rows[0][1][0].pixels.shape[:2]
@@ -275,9 +316,13 @@ def picture(examples: dict[str, list[Sample]], path: str, scale: int = 4) -> Non
             Image.merge("RGB", [Image.fromarray(heat), Image.fromarray(heat * 0), Image.fromarray(255 - heat)]),
         ]
         y = r * (tile_h + label_h)
-        draw.text((2, y), f"kernels {setting}: solo | co-batched | |diff| (max {float(diffs[setting].max()):.2e}, scale {top:.2e})", fill="black")
+        draw.text(
+            (2, y),
+            f"kernels {setting}: solo | co-batched | |diff| (max {float(diffs[setting].max()):.2e}, scale {top:.2e})",
+            fill="black",
+        )
         for c, tile in enumerate(tiles):
-            canvas.paste(tile.resize((tile_w, tile_h), Image.NEAREST), (c * tile_w, y + label_h))
+            canvas.paste(tile.resize((tile_w, tile_h), Image.Resampling.NEAREST), (c * tile_w, y + label_h))
     canvas.save(path)
 
 
@@ -292,7 +337,9 @@ def run_diffusion_audit(
     """Audit every model; returns {"runs": [...], "summary": {...}, "environment": {...}}."""
     from stages.audit.report import environment, summarize
 
-    runs, first_examples, scope = [], None, []
+    runs: list[dict] = []
+    first_examples: dict[str, list[Sample | None]] | None = None
+    scope: list[dict] = []
     for model in models:
         model_runs, examples = audit_model(model, log=log, scope=scope, **options)
         runs += model_runs

@@ -78,7 +78,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 def count_differences(reference: Generation, result: Generation) -> tuple[int, int, int]:
     """(differing token ids, differing logprob values, total elements of the reference)."""
     ref_ids, ids = reference.token_ids, result.token_ids
-    tokens = sum(a != b for a, b in zip(ref_ids, ids)) + abs(len(ref_ids) - len(ids))
+    tokens = sum(a != b for a, b in zip(ref_ids, ids, strict=False)) + abs(len(ref_ids) - len(ids))
     ref_top, top = reference.top_logprobs, result.top_logprobs
     logprobs = 0
     for i in range(max(len(ref_top), len(top))):
@@ -115,7 +115,9 @@ def batch_orders(batch_size: int, orderings: Iterable[str]) -> list[tuple[str, l
 # --- co-batching: requests that share one scheduling step ------------------------------------------
 
 
-async def generate_co_batched(engine, requests: Sequence[tuple[list[int], Any]], settle_s: float = 0.1) -> list[Generation]:
+async def generate_co_batched(
+    engine, requests: Sequence[tuple[list[int], Any]], settle_s: float = 0.1
+) -> list[Generation]:
     """Run (prompt ids, vLLM SamplingParams) requests on a started `LLMEngine` so that they enter one step.
 
     The scheduler is paused while all of them are queued, in order, then resumed: their
@@ -263,14 +265,23 @@ async def audit_engine(
                 started = time.monotonic()
                 results = await generate_co_batched(engine, batch)
                 base = {
-                    "stage": "llm", "model": engine.model.name, "kernels": kernels, "dtype": engine.settings.args["dtype"],
+                    "stage": "llm",
+                    "model": engine.model.name,
+                    "kernels": kernels,
+                    "dtype": engine.settings.args["dtype"],
                     **({"ablation": ablation} if ablation else {}),
                     # What the evidence table groups by, beside stage, model, dtype and kernels.
                     "detail": f"{target} prompt, {sampling}, {threads} worker thread(s)"
                     + (f", ablation {ablation}" if ablation else ""),
-                    "target": target, "ordering": ordering, "sampling": sampling, "torch_threads": worker_threads[-1],
+                    "target": target,
+                    "ordering": ordering,
+                    "sampling": sampling,
+                    "torch_threads": worker_threads[-1],
                 }
-                run = {**_record(base, order, batch, results, reference), "seconds": round(time.monotonic() - started, 2)}
+                run = {
+                    **_record(base, order, batch, results, reference),
+                    "seconds": round(time.monotonic() - started, 2),
+                }
                 runs.append(run)
                 log(
                     f"[llm audit] kernels={label} {target} {sampling} batch={run['batch_size']} {ordering}: "
@@ -291,8 +302,15 @@ def audit_config(model: str | None, setting: str, *, dtype: str, torch_threads: 
     )
 
 
-async def _run(model: str | None, kernels: Sequence[str], ablation: str | None, engine_config: dict, audit: dict, log,
-               control_threads: int | None = None):
+async def _run(
+    model: str | None,
+    kernels: Sequence[str],
+    ablation: str | None,
+    engine_config: dict,
+    audit: dict,
+    log,
+    control_threads: int | None = None,
+):
     from stages.audit.record import scope_entry
     from stages.llm import LLMEngine
     from stages.scope import llm_configuration
@@ -312,7 +330,9 @@ async def _run(model: str | None, kernels: Sequence[str], ablation: str | None, 
             engine.settings.args.update(ABLATIONS[ablation]["args"])
             engine.settings.environment.update(ABLATIONS[ablation]["env"])
         await engine.start()
-        log(f"[llm audit] engine kernels={setting} torch_threads={config['torch_threads']} started in {engine.startup_s} s")
+        log(
+            f"[llm audit] engine kernels={setting} torch_threads={config['torch_threads']} started in {engine.startup_s} s"
+        )
         try:
             if setting == "on" and audited:  # the configuration a record of this audit would verify
                 detail = {k: audit[k] for k in ("targets", "samplings", "max_tokens")} | {"ablation": ablation}
@@ -321,7 +341,8 @@ async def _run(model: str | None, kernels: Sequence[str], ablation: str | None, 
                 engine, kernels=setting, ablation=ablation if setting == "on" else None, log=log, **audit
             )
             engines[setting if audited else f"{setting}, {config['torch_threads']} threads"] = (
-                engine.describe().model_dump(mode="json"))
+                engine.describe().model_dump(mode="json")
+            )
         finally:
             engine.shutdown()
     return runs, engines, scope
@@ -361,8 +382,13 @@ def run_llm_audit(
 
     started = time.time()
     env = environment(command)
-    audit = {"targets": targets, "batch_sizes": batch_sizes, "orderings": orderings, "samplings": samplings,
-             "max_tokens": max_tokens}
+    audit = {
+        "targets": targets,
+        "batch_sizes": batch_sizes,
+        "orderings": orderings,
+        "samplings": samplings,
+        "max_tokens": max_tokens,
+    }
     engine_config = {"dtype": dtype, "torch_threads": torch_threads}
     if control_threads is not None and (torch_threads is None or control_threads == torch_threads):
         raise ValueError("control_threads needs --torch-threads and must differ from it")

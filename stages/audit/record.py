@@ -38,8 +38,10 @@ def _control_elsewhere(runs: list[dict], threads: int, invariant: list[dict]) ->
             continue
         theirs = {_same_run(r): (r.get("target_digest"), r.get("reference_digest")) for r in at if r["kernels"] == "on"}
         if None in {digest for pair in mine.values() for digest in pair} or theirs != mine:
-            return None, (f"the control varied at {other} threads, but the kernels-on runs there did not give the bits "
-                          f"of the {threads}-thread runs run for run, so that control says nothing of {threads} threads")
+            return None, (
+                f"the control varied at {other} threads, but the kernels-on runs there did not give the bits "
+                f"of the {threads}-thread runs run for run, so that control says nothing of {threads} threads"
+            )
         return other, ""
     return None, ""
 
@@ -60,24 +62,38 @@ def build_record(report: dict, entry: dict) -> tuple[ScopeRecord | None, str]:
     varied_here = any(r["differing_elements"] > 0 for r in control)
     control_threads, why = (None, "") if varied_here else _control_elsewhere(runs, threads, invariant)
     result = AuditResult(
-        control_runs=len(control), control_varied=varied_here or control_threads is not None,
-        invariant_runs=len(invariant), differing_with_kernels_on=sum(r["differing_elements"] for r in invariant),
+        control_runs=len(control),
+        control_varied=varied_here or control_threads is not None,
+        invariant_runs=len(invariant),
+        differing_with_kernels_on=sum(r["differing_elements"] for r in invariant),
         control_threads=control_threads,
     )
     if not result.control_varied:
         return None, why or (
             f"the control never varied ({len(control)} runs with kernels off all matched solo), so this audit proves "
             "nothing here; audit larger batch sizes, another thread count (--control-threads) or a model whose stock "
-            "kernels vary")
+            "kernels vary"
+        )
     if result.differing_with_kernels_on:
         return None, f"{result.differing_with_kernels_on} elements differed with the kernels on: not invariant here"
-    coverage = Coverage(batch_sizes=sorted({r["batch_size"] for r in invariant}),
-                        orderings=sorted({r["ordering"] for r in invariant}), **entry["coverage"])
+    coverage = Coverage(
+        batch_sizes=sorted({r["batch_size"] for r in invariant}),
+        orderings=sorted({r["ordering"] for r in invariant}),
+        **entry["coverage"],
+    )
     env = report.get("environment", {})
-    audited = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": env.get("command"),
-               "cpu": env.get("hardware", {}).get("cpu"), "cpu_flags": _vector_flags()}
-    return ScopeRecord(configuration=Configuration.model_validate(entry["configuration"]), coverage=coverage,
-                       result=result, audited=audited), ""
+    audited = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "command": env.get("command"),
+        "cpu": env.get("hardware", {}).get("cpu"),
+        "cpu_flags": _vector_flags(),
+    }
+    return ScopeRecord(
+        configuration=Configuration.model_validate(entry["configuration"]),
+        coverage=coverage,
+        result=result,
+        audited=audited,
+    ), ""
 
 
 def _vector_flags() -> str:

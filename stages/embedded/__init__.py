@@ -28,7 +28,15 @@ from stages.trust import UntrustedCacheError, distrust, ours_to_replace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MODELS", "EMBEDDED_MODELS", "EmbeddedModel", "MARKER", "build_cached", "cache_root", "embedded_models"]
+__all__ = [
+    "DEFAULT_MODELS",
+    "EMBEDDED_MODELS",
+    "EmbeddedModel",
+    "MARKER",
+    "build_cached",
+    "cache_root",
+    "embedded_models",
+]
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),
     )
 }
-DEFAULT_MODELS = {m.stage: m.id for m in EMBEDDED_MODELS.values() if m.default}
+DEFAULT_MODELS: dict[str, str] = {m.stage: m.id for m in EMBEDDED_MODELS.values() if m.default}
 
 
 def embedded_models(stage: str) -> tuple[str, ...]:

@@ -23,12 +23,11 @@ import hashlib
 import threading
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from diffusers import (
     AutoencoderKL,
-    DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     SD3Transformer2DModel,
@@ -36,6 +35,9 @@ from diffusers import (
     StableDiffusionPipeline,
     UNet2DConditionModel,
 )
+
+# From its module, not the package: to a type checker the package's names are torch-less placeholders.
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from safetensors import safe_open
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
@@ -98,7 +100,8 @@ def _save(kind: str, directory: Path) -> dict[str, Any]:
 def _build(kind: str) -> DiffusionPipeline:
     # fork_rng: seeding for the build must not move the caller's global RNG.
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
-        return _build_unet_pipeline() if kind == "unet" else _build_dit_pipeline()
+        # The placeholders' types again: what is built is a DiffusionPipeline.
+        return cast(DiffusionPipeline, _build_unet_pipeline() if kind == "unet" else _build_dit_pipeline())
 
 
 def _seeded(component_index: int) -> None:
@@ -215,7 +218,7 @@ def _byte_level_clip_tokenizer() -> CLIPTokenizer:
 
 def _clip_config(projection_dim: int | None = None) -> CLIPTextConfig:
     vocab = _byte_level_vocab()
-    extra = {} if projection_dim is None else {"projection_dim": projection_dim}
+    extra: dict[str, Any] = {} if projection_dim is None else {"projection_dim": projection_dim}
     return CLIPTextConfig(
         vocab_size=len(vocab),
         hidden_size=32,

@@ -78,9 +78,27 @@ CHAT_TEMPLATE = (
 )
 
 _SUBJECTS = (
-    "a cat", "a dog", "a fox", "an owl", "a lighthouse", "a mountain lake", "a city street", "a forest path",
-    "a sailing boat", "an old castle", "a bowl of fruit", "a portrait of a woman", "a robot", "a dragon",
-    "a garden", "a desert", "a waterfall", "a bridge", "a train station", "a small village", "the sea",
+    "a cat",
+    "a dog",
+    "a fox",
+    "an owl",
+    "a lighthouse",
+    "a mountain lake",
+    "a city street",
+    "a forest path",
+    "a sailing boat",
+    "an old castle",
+    "a bowl of fruit",
+    "a portrait of a woman",
+    "a robot",
+    "a dragon",
+    "a garden",
+    "a desert",
+    "a waterfall",
+    "a bridge",
+    "a train station",
+    "a small village",
+    "the sea",
 )
 _WORDS = (
     "the a an of in on at with and under over near beside through across beautiful detailed highly "
@@ -119,11 +137,23 @@ class TinyLlamaSpec:
 #: The embedded default: small enough to start in seconds, wide enough (down projection K = 1408)
 #: that oneDNN computes a solo decode row differently from a co-batched one, so the audit's
 #: control varies (docs/invariance.md, the LLM evidence table).
-TINY = TinyLlamaSpec(name="tiny-llama", hidden_size=512, intermediate_size=1408,
-                     num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+TINY = TinyLlamaSpec(
+    name="tiny-llama",
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
 #: A wider check for the audit (`--model embedded:wide-llama`); its control varies too.
-WIDE = TinyLlamaSpec(name="wide-llama", hidden_size=1024, intermediate_size=2816,
-                     num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8)
+WIDE = TinyLlamaSpec(
+    name="wide-llama",
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=2,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+)
 #: By recipe name (the registry's `EmbeddedModel.recipe`).
 SPECS = {spec.name: spec for spec in (TINY, WIDE)}
 
@@ -221,7 +251,8 @@ def _build(spec: TinyLlamaSpec, out: Path) -> None:
     # Fork the global RNG so building never disturbs the caller's random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        # transformers' wrapper of `.to` is typed as the unbound method (its `self` first).
+        model = LlamaForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]
     model.save_pretrained(out, safe_serialization=True)
 
 
@@ -269,9 +300,11 @@ def style_tokens(tokenizer) -> StyleTokens:
         reached = _reachable(texts.values(), prefixes)
         dead = sorted(p for p in reached if not any(p + t in prefixes for t in texts.values()) and p not in completions)
         if not dead:
-            return StyleTokens(tuple(sorted(allowed)), _longest("", tuple(texts.values()), prefixes, set(completions), {}))
+            return StyleTokens(
+                tuple(sorted(allowed)), _longest("", tuple(texts.values()), prefixes, set(completions), {})
+            )
         for prefix in dead:  # finish one completion it begins with, canonically from there
-            rest = next(c for c in completions if c.startswith(prefix))[len(prefix):]
+            rest = next(c for c in completions if c.startswith(prefix))[len(prefix) :]
             allowed.update(tokenizer.encode(rest, add_special_tokens=False))
 
 
@@ -326,5 +359,7 @@ class StyleEnhancement:
         """The user's subject first, then the completion's words for what the prompt leaves unsaid."""
         subject = prompt.strip().rstrip(",.;")
         said = set(subject.lower().replace(",", " ").split())
-        kept = [word for word in completion.split(", ") if word and not said & set(SIZES if word in SIZES else POSITIONS)]
+        kept = [
+            word for word in completion.split(", ") if word and not said & set(SIZES if word in SIZES else POSITIONS)
+        ]
         return ", ".join([subject, *kept])

@@ -85,8 +85,13 @@ def _draw(draw, scene: Scene, fill) -> None:
     elif scene.shape == "triangle":
         draw.polygon([(x, y - r), (x + r, y + r * 0.8), (x - r, y + r * 0.8)], fill=fill)
     elif scene.shape == "star":
-        points = [(x + (r if k % 2 == 0 else r * 0.45) * np.sin(k * np.pi / 5),
-                   y - (r if k % 2 == 0 else r * 0.45) * np.cos(k * np.pi / 5)) for k in range(10)]
+        points = [
+            (
+                x + (r if k % 2 == 0 else r * 0.45) * np.sin(k * np.pi / 5),
+                y - (r if k % 2 == 0 else r * 0.45) * np.cos(k * np.pi / 5),
+            )
+            for k in range(10)
+        ]
         draw.polygon(points, fill=fill)
     else:  # ring: the hole shows the background
         draw.ellipse(box, outline=fill, width=round(r * 0.5))
@@ -94,16 +99,24 @@ def _draw(draw, scene: Scene, fill) -> None:
 
 def training_scenes() -> list[Scene]:
     """Every scene the model is trained on: all sizes and positions of every triple not held out."""
-    return [Scene(s, c, b, size, pos) for (s, c, b) in _TRIPLES if (s, c, b) not in HELD_OUT
-            for size in SIZES for pos in POSITIONS]
+    return [
+        Scene(s, c, b, size, pos)
+        for (s, c, b) in _TRIPLES
+        if (s, c, b) not in HELD_OUT
+        for size in SIZES
+        for pos in POSITIONS
+    ]
 
 
 def caption(scene: Scene, rng: random.Random) -> str:
     """One of the captions that say `scene`; defaults (large, centered, white) may be left unsaid."""
     size_at = rng.choice(("front", "tail", "unsaid") if scene.size == DEFAULT_SIZE else ("front", "tail"))
     subject = with_article(f"{scene.size + ' ' if size_at == 'front' else ''}{scene.colour} {scene.shape}")
-    background_at = rng.choice(("inline", "inline", "tail", "unsaid") if scene.background == DEFAULT_BACKGROUND
-                               else ("inline", "inline", "tail"))
+    background_at = rng.choice(
+        ("inline", "inline", "tail", "unsaid")
+        if scene.background == DEFAULT_BACKGROUND
+        else ("inline", "inline", "tail")
+    )
     phrase = background_phrase(scene.background)
     tail = [scene.size] if size_at == "tail" else []
     if scene.position != DEFAULT_POSITION or rng.random() < 0.5:
@@ -163,8 +176,11 @@ def drawn_as_said(image: np.ndarray, scene: Scene, share: float = 0.5) -> bool:
     not nearest to the background) is its shape's colour. Where the shape is does not count (`drawn_area`,
     `centroid` read size and place)."""
     drawn = nearest_colour(image) != list(COLOURS).index(scene.background)
-    return (background_as_said(image, scene.background, share) and drawn.sum() >= MIN_DRAWN
-            and colour_share(image, drawn, scene.colour) >= share)
+    return (
+        background_as_said(image, scene.background, share)
+        and drawn.sum() >= MIN_DRAWN
+        and colour_share(image, drawn, scene.colour) >= share
+    )
 
 
 def drawn_area(image: np.ndarray, background: str) -> int:
@@ -192,15 +208,16 @@ def word_tokenizer(max_length: int = MAX_PROMPT_TOKENS):
             ranks.setdefault((pieces[0], pieces[1]), len(ranks))  # appended last: earlier words stay whole
             pieces = [pieces[0] + pieces[1], *pieces[2:]]
             vocab.setdefault(pieces[0], len(vocab))
-    return CLIPTokenizer(vocab=vocab, merges=list(ranks), model_max_length=max_length)
+    # tokenizers' BPE takes the merges as (a, b) pairs; transformers annotates them as strings.
+    return CLIPTokenizer(vocab=vocab, merges=list(ranks), model_max_length=max_length)  # type: ignore[arg-type]
 
 
 def _bpe(pieces: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     """Byte-pair encoding as CLIP's tokenizer applies it: the best-ranked adjacent pair first, until none."""
     while len(pieces) > 1:
-        pairs = [(ranks.get((a, b), len(ranks)), i) for i, (a, b) in enumerate(zip(pieces, pieces[1:]))]
+        pairs = [(ranks.get((a, b), len(ranks)), i) for i, (a, b) in enumerate(zip(pieces, pieces[1:], strict=False))]
         rank, i = min(pairs)
         if rank == len(ranks):
             break
-        pieces = [*pieces[:i], pieces[i] + pieces[i + 1], *pieces[i + 2:]]
+        pieces = [*pieces[:i], pieces[i] + pieces[i + 1], *pieces[i + 2 :]]
     return pieces

@@ -18,15 +18,22 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, DDPMScheduler, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+# From their modules, not the package: to a type checker the package's names are torch-less placeholders.
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel
 
 from .shapes import caption, training_scenes, word_tokenizer
+
+if TYPE_CHECKING:
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 #: Stable Diffusion 1.x's noise schedule: training adds noise with it, the saved Euler scheduler removes it.
 SCHEDULE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
@@ -57,29 +64,49 @@ class TrainingPlan:
 
 def autoencoder() -> AutoencoderKL:
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
         # Few, wide norm groups: a group normalised on its own per image loses its absolute level, and with
         # one channel per group a flat-coloured image would lose its colour.
-        block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=2,
+        block_out_channels=(16, 32, 32, 32),
+        layers_per_block=1,
+        norm_num_groups=2,
     )
 
 
 def denoiser(tokenizer, plan: TrainingPlan) -> tuple[CLIPTextModel, UNet2DConditionModel]:
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=tokenizer.model_max_length, hidden_act="gelu",
-        layer_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    ))
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=tokenizer.model_max_length,
+            hidden_act="gelu",
+            layer_norm_eps=1e-5,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     levels = len(plan.unet_channels)
     unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
         # Three levels (8x8, 4x4, 2x2). Two, trained the same way, also learn colours and positions, but the
         # guidance scale then moved the picture too little (5 -> 1.5: 3.9 levels of 255 on average, 6.5 with three).
-        down_block_types=("CrossAttnDownBlock2D",) * levels, up_block_types=("CrossAttnUpBlock2D",) * levels,
-        block_out_channels=plan.unet_channels, layers_per_block=1, cross_attention_dim=64,
-        attention_head_dim=2, norm_num_groups=4,  # diffusers' legacy name: 2 heads
+        down_block_types=("CrossAttnDownBlock2D",) * levels,
+        up_block_types=("CrossAttnUpBlock2D",) * levels,
+        block_out_channels=plan.unet_channels,
+        layers_per_block=1,
+        cross_attention_dim=64,
+        attention_head_dim=2,
+        norm_num_groups=4,  # diffusers' legacy name: 2 heads
     )
     return text_encoder, unet
 
@@ -101,13 +128,28 @@ def train(plan: TrainingPlan, out: Path, log=print) -> dict[str, Any]:
         torch.manual_seed(plan.seed + 1)
         text_encoder, unet = denoiser(tokenizer, plan)
         unet_loss = _train_denoiser(unet, text_encoder, tokenizer, scenes, latents, plan, log)
-    scheduler = EulerDiscreteScheduler(**SCHEDULE, steps_offset=1, timestep_spacing="leading", prediction_type=plan.prediction)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.save_pretrained(out)
+    scheduler = EulerDiscreteScheduler(
+        **SCHEDULE, steps_offset=1, timestep_spacing="leading", prediction_type=plan.prediction
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    cast("DiffusionPipeline", pipe).save_pretrained(out)  # the placeholder's type again: a DiffusionPipeline
     torch.set_num_threads(threads)
-    return {"plan": asdict(plan), "vae_loss": vae_loss, "denoiser_loss": unet_loss,
-            "wall_s": round(time.perf_counter() - started, 1), "cpu_s": round(time.process_time() - cpu_started, 1)}
+    return {
+        "plan": asdict(plan),
+        "vae_loss": vae_loss,
+        "denoiser_loss": unet_loss,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "cpu_s": round(time.process_time() - cpu_started, 1),
+    }
 
 
 def _train_vae(vae: AutoencoderKL, images: torch.Tensor, plan: TrainingPlan, log) -> float:
@@ -162,9 +204,13 @@ def _train_denoiser(unet, text_encoder, tokenizer, scenes, latents: torch.Tensor
     running = 0.0
     for step in range(plan.unet_steps):
         picked = torch.randint(len(scenes), (plan.unet_batch,))
-        texts = ["" if captions.randrange(UNCONDITIONAL_EVERY) == 0 else caption(scenes[i], captions) for i in picked.tolist()]
-        ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                        return_tensors="pt").input_ids
+        texts = [
+            "" if captions.randrange(UNCONDITIONAL_EVERY) == 0 else caption(scenes[i], captions)
+            for i in picked.tolist()
+        ]
+        ids = tokenizer(
+            texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+        ).input_ids
         noise = torch.randn_like(latents[picked])
         timesteps = torch.randint(noise_schedule.config.num_train_timesteps, (plan.unet_batch,))
         noisy = noise_schedule.add_noise(latents[picked], noise, timesteps)
@@ -185,7 +231,8 @@ def _target(noise_schedule: DDPMScheduler, latents, noise, timesteps) -> torch.T
     moved by 0.0005 from "left" to "right" at t=999; the shape went where the seed's noise put it). There
     v = alpha * noise - sigma * x0 is mostly the clean latent, so the first sampling steps' layout is what it
     learns (the same words move v's prediction by 0.97, and the shape lands where it is said)."""
-    if noise_schedule.config.prediction_type == "v_prediction":
+    # diffusers annotates `config` as a dict; it is a FrozenDict, whose keys are attributes too.
+    if noise_schedule.config.prediction_type == "v_prediction":  # type: ignore[attr-defined]
         return noise_schedule.get_velocity(latents, noise, timesteps)
     return noise
 
@@ -205,6 +252,8 @@ def hit_rate(pipe, scenes, seeds: list[int], rng: random.Random | None = None, b
     rng = rng or random.Random(0)
     pairs = [(scene, seed) for scene in scenes for seed in seeds]
     images = draw(pipe, [caption(scene, rng) for scene, _ in pairs], [seed for _, seed in pairs])
-    said = [background_as_said(image, scene.background) if background_only else drawn_as_said(image, scene)
-            for image, (scene, _) in zip(images, pairs)]
+    said = [
+        background_as_said(image, scene.background) if background_only else drawn_as_said(image, scene)
+        for image, (scene, _) in zip(images, pairs, strict=False)
+    ]
     return sum(said) / len(said)

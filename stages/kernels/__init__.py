@@ -60,29 +60,39 @@ def _enable_cpu() -> KernelReport:
     except KernelBuildError as err:  # e.g. no C++ compiler: say so, claim nothing
         return KernelReport(False, "none", [], f"the CPU kernels could not be built or installed: {err}")
     _dispatch_key = "CPU"
-    return KernelReport(True, "cpu", ops, f"the project's CPU kernels, {native.loaded_isa()} path (a fixed-order "
-                        "packed GEMM, oneDNN convolution in one layout, our group_norm)")
+    return KernelReport(
+        True,
+        "cpu",
+        ops,
+        f"the project's CPU kernels, {native.loaded_isa()} path (a fixed-order "
+        "packed GEMM, oneDNN convolution in one layout, our group_norm)",
+    )
 
 
 def _enable_cuda() -> KernelReport:
     global _vllm_env_before, _dispatch_key
     if torch.version.hip is not None:
         return KernelReport(False, "none", [], "ROCm: no batch-invariant kernels are verified here; nothing installed")
-    try:
-        from vllm.model_executor.determinism import batch_invariant as vllm_bi
-    except ImportError as err:  # no vLLM with CUDA kernels in this environment
-        return KernelReport(False, "none", [], f"vLLM's batch-invariant kernels are unavailable: {err}")
+    from . import vllm_mode
+
+    missing = vllm_mode.available()
+    if missing is not None:  # no vLLM with CUDA kernels in this environment
+        return KernelReport(False, "none", [], f"vLLM's batch-invariant kernels are unavailable: {missing}")
     try:
         native.build()  # before touching vLLM's state: a failed build must leave nothing half-installed
     except KernelBuildError as err:
         return KernelReport(False, "none", [], f"the convolution/group_norm cover could not be built: {err}")
     # vLLM's own code paths read this variable; keep it for restore.
     _vllm_env_before = envs.assign("VLLM_BATCH_INVARIANT", "1")
-    vllm_bi.init_batch_invariance()
+    vllm_mode.enter()
     ops = native.install("CUDA", CUDA_COVER_OPS)
     _dispatch_key = "CUDA"
-    return KernelReport(True, "vllm-cuda", ["vllm:init_batch_invariance", *ops],
-                        "vLLM's CUDA kernels plus the project's conv/group_norm cover")
+    return KernelReport(
+        True,
+        "vllm-cuda",
+        ["vllm:init_batch_invariance", *ops],
+        "vLLM's CUDA kernels plus the project's conv/group_norm cover",
+    )
 
 
 def enable_batch_invariant_kernels(device=None) -> KernelReport:
@@ -108,12 +118,9 @@ def disable_batch_invariant_kernels() -> None:
         if _dispatch_key is not None:
             native.uninstall(_dispatch_key)
         if _report is not None and _report.backend == "vllm-cuda":
-            from vllm.model_executor.determinism import batch_invariant as vllm_bi
+            from . import vllm_mode
 
-            if vllm_bi._batch_invariant_LIB is not None:
-                vllm_bi._batch_invariant_LIB._destroy()
-            vllm_bi._batch_invariant_LIB = None
-            vllm_bi._batch_invariant_MODE = False
+            vllm_mode.leave()
             envs.assign("VLLM_BATCH_INVARIANT", _vllm_env_before)
         _dispatch_key = None
         _report = None

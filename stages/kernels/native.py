@@ -48,7 +48,15 @@ _library: ctypes.CDLL | None = None
 #: the same order (its bits do not depend on the path); AVX-512 with bf16 dot products is the widest, AVX2 + FMA
 #: the common x86-64 server and laptop, generic plain C++ (any CPU, aarch64 included).
 _ISA_COMPILER_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-DOMNISERVE_ISA_AVX512"],
+    "avx512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512bf16",
+        "-mfma",
+        "-DOMNISERVE_ISA_AVX512",
+    ],
     "avx2": ["-mavx2", "-mfma", "-DOMNISERVE_ISA_AVX2"],
     "generic": ["-DOMNISERVE_ISA_GENERIC"],
 }
@@ -62,8 +70,9 @@ def cpu_isa() -> str:
         raise KernelBuildError(str(err)) from None
 
 
-def _command(source: Path, output: Path, *, isa: str | None = None, cxx: str | None = None,
-             link: bool = True) -> list[str]:
+def _command(
+    source: Path, output: Path, *, isa: str | None = None, cxx: str | None = None, link: bool = True
+) -> list[str]:
     """The compiler command for `isa` (default: this process's path); `link=False`: an object file only (a cross
     compiler's check, tests/stages/test_kernels.py: torch's libraries here are this machine's)."""
     # torch's own layout (what torch.utils.cpp_extension uses, without importing it: it imports
@@ -74,11 +83,21 @@ def _command(source: Path, output: Path, *, isa: str | None = None, cxx: str | N
     return [
         # -ffp-contract=off: a multiply and an add are never fused behind our back, so a loop gives the same
         # bits vectorized or not (group_norm relies on it; the GEMM's fmas are explicit intrinsics or std::fma).
-        cxx or envs.read("CXX"), "-O3", "-std=c++20", "-shared" if link else "-c", "-fPIC", "-fopenmp",
-        "-ffp-contract=off", "-w", *_ISA_COMPILER_FLAGS[isa or cpu_isa()],
+        cxx or envs.read("CXX"),
+        "-O3",
+        "-std=c++20",
+        "-shared" if link else "-c",
+        "-fPIC",
+        "-fopenmp",
+        "-ffp-contract=off",
+        "-w",
+        *_ISA_COMPILER_FLAGS[isa or cpu_isa()],
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
-        str(source), *(libraries if link else []), "-o", str(output),
+        str(source),
+        *(libraries if link else []),
+        "-o",
+        str(output),
     ]
 
 
@@ -135,7 +154,9 @@ def build() -> Path:
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         tail = (done.stderr or done.stdout).strip()[-2000:]
-        raise KernelBuildError(f"compiling {SOURCE.name} failed ({shlex.join(command[:1])} exit {done.returncode}):\n{tail}")
+        raise KernelBuildError(
+            f"compiling {SOURCE.name} failed ({shlex.join(command[:1])} exit {done.returncode}):\n{tail}"
+        )
     record = partial.with_name(partial.name + ".sha256")
     record.write_text(_sha256(partial) + "\n")
     os.replace(partial, path)
@@ -167,7 +188,7 @@ def packed_weights(limit_bytes: int | None = None) -> dict:
     """The packed-weight cache of the fixed-order GEMM; sets its bound if given."""
     stats = (ctypes.c_int64 * 6)()
     _loaded().omniserve_kernels_packed_weights(-1 if limit_bytes is None else limit_bytes, stats)
-    return dict(zip(("hits", "packs", "uncached_packs", "entries", "bytes", "limit_bytes"), stats))
+    return dict(zip(("hits", "packs", "uncached_packs", "entries", "bytes", "limit_bytes"), stats, strict=True))
 
 
 def loaded_isa() -> str:
@@ -189,4 +210,3 @@ def uninstall(dispatch_key: str) -> None:
     """Remove what `install` registered on `dispatch_key`; the stock kernels answer again."""
     if _library is not None:
         _library.omniserve_kernels_uninstall(dispatch_key.encode())
-

@@ -139,11 +139,7 @@ def _reroutable(layer) -> bool:
     import torch
 
     weight = layer.weight
-    return (
-        not weight.is_meta
-        and weight.ndim == 2
-        and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    )
+    return not weight.is_meta and weight.ndim == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _versioned_weight(layer) -> None:
@@ -178,9 +174,9 @@ def _ensure_kernels() -> None:
 
 def process_report() -> dict:
     """What this process installed: the kernel report and which layers were rerouted."""
-    from stages.kernels import current_report
-
     import torch
+
+    from stages.kernels import current_report
 
     return {
         "pid": os.getpid(),
@@ -205,11 +201,9 @@ def _packed_weights() -> dict | None:
 
 
 def _vllm_mode() -> bool:
-    try:
-        from vllm.model_executor.determinism import batch_invariant
-    except ImportError:
-        return False
-    return bool(getattr(batch_invariant, "_batch_invariant_MODE", False))
+    from stages.kernels import vllm_mode
+
+    return vllm_mode.active()
 
 
 class InvarianceReportExtension:

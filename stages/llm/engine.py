@@ -10,7 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from contracts import envs
 from contracts.config import LLMStageConfig
@@ -18,6 +18,12 @@ from contracts.invariance import resolve_batch_invariant
 from contracts.results import Generation, StageDescription
 
 from .settings import engine_settings, resolve_model
+
+if TYPE_CHECKING:
+    from vllm.tokenizers import TokenizerLike
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from stages.scope import ReplicaScope
 
 _NOT_STARTED = "the LLM engine is not started; await start() first"
 
@@ -30,7 +36,7 @@ def to_generation(final) -> Generation:
     return Generation(
         text=completion.text,
         token_ids=token_ids,
-        logprobs=[float(step[token].logprob) for token, step in zip(token_ids, positions)],
+        logprobs=[float(step[token].logprob) for token, step in zip(token_ids, positions, strict=False)],
         top_logprobs=[
             [(int(t), float(lp.logprob)) for t, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0)]
             for step in positions
@@ -51,6 +57,19 @@ def _path_libraries() -> set[str | None]:
     return {VLLM_LIBRARY[cpu_isa()]} if platform.machine() in ("x86_64", "AMD64") else {None, "_C"}
 
 
+def workers_without_kernels(reports: list[dict], device: str) -> tuple[list[dict], str]:
+    """The worker reports that lack what invariance needs, and a hint at why."""
+    if device == "cpu":
+        missing = [
+            r
+            for r in reports
+            if not (r["kernels"]["installed"] and r["gemm_dispatch_patched"] and r["vllm_library"] in _path_libraries())
+        ]
+        return missing, "is the omniserve package installed, so vLLM finds its plugin (and its kernel path)?"
+    missing = [r for r in reports if not r["vllm_batch_invariant_mode"]]
+    return missing, "vLLM's workers did not enter VLLM_BATCH_INVARIANT mode"
+
+
 class LLMEngine:
     """One vLLM AsyncLLM engine, configured by an `LLMStageConfig` and the batch-invariance switch.
 
@@ -65,11 +84,13 @@ class LLMEngine:
         self.config = config.model_copy(update={"batch_invariant": self.batch_invariant})
         self.model = resolve_model(config.model)
         self.settings = engine_settings(self.config, self.model)
-        self._engine = None
-        self._tokenizer = None
+        self._engine: AsyncLLM | None = None
+        self._tokenizer: TokenizerLike | None = None
         self.worker_reports: list[dict] = []
         self.startup_s: float | None = None
-        self.scope = None  # the stage's ReplicaScope (stages.scope), set once started; the audit's engines have none
+        self.scope: ReplicaScope | None = (
+            None  # the stage's ReplicaScope (stages.scope), set once started; the audit's engines have none
+        )
 
     @property
     def device(self) -> str:
@@ -104,25 +125,22 @@ class LLMEngine:
             self._check_workers_installed_kernels()
         return self
 
-    def _workers_without_kernels(self) -> tuple[list[dict], str]:
-        """The worker reports that lack what invariance needs, and a hint at why."""
-        if self.device == "cpu":
-            missing = [r for r in self.worker_reports if not (r["kernels"]["installed"] and r["gemm_dispatch_patched"]
-                                                              and r["vllm_library"] in _path_libraries())]
-            return missing, "is the omniserve package installed, so vLLM finds its plugin (and its kernel path)?"
-        missing = [r for r in self.worker_reports if not r["vllm_batch_invariant_mode"]]
-        return missing, "vLLM's workers did not enter VLLM_BATCH_INVARIANT mode"
-
     def _check_workers_installed_kernels(self) -> None:
-        missing, hint = self._workers_without_kernels()
+        missing, hint = workers_without_kernels(self.worker_reports, self.device)
         if missing or not self.worker_reports:
             self.shutdown()
-            raise RuntimeError(f"batch invariance is on but a vLLM worker did not install the kernels ({hint}): {missing}")
+            raise RuntimeError(
+                f"batch invariance is on but a vLLM worker did not install the kernels ({hint}): {missing}"
+            )
 
     @property
     def kernels_installed(self) -> bool:
         """Every worker installed the kernels invariance needs (False with the switch off: none were asked for)."""
-        return self.batch_invariant and bool(self.worker_reports) and not self._workers_without_kernels()[0]
+        return (
+            self.batch_invariant
+            and bool(self.worker_reports)
+            and not workers_without_kernels(self.worker_reports, self.device)[0]
+        )
 
     def shutdown(self) -> None:
         if self._engine is not None:

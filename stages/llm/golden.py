@@ -3,7 +3,7 @@
 The same functions compute a column for the recorder (`llm_golden_column`) and check a replica against it at
 start-up (`llm_self_check`, a few seconds on the embedded model): a replica that reproduces its column computes
 the bits of the machine that made it, so that machine's audit records cover it too (`contracts.scope.match`).
-The diffusion side, and what a column is keyed by (the kernel path, not every CPU flag), is stages/golden.py.
+The diffusion side, and what a column is keyed by (the kernel path, not every CPU flag), is stages/diffusion/golden.py.
 
 Cases, per sampling (greedy; seeded with a fixed seed): the stage's own enhancement request for a fixed prompt,
 solo; the same request co-batched with two of the audit's neighbours (stages/audit/llm.py: a short random-token
@@ -32,9 +32,15 @@ NEIGHBOUR_INDICES = (0, 1)
 
 def generation_digest(generation: Generation) -> str:
     """sha256 of the canonical JSON of (token ids, logprobs, top logprobs); floats print exactly (repr)."""
-    blob = json.dumps({"token_ids": list(generation.token_ids), "logprobs": list(generation.logprobs),
-                       "top_logprobs": [[list(entry) for entry in step] for step in generation.top_logprobs]},
-                      sort_keys=True, separators=(",", ":"))
+    blob = json.dumps(
+        {
+            "token_ids": list(generation.token_ids),
+            "logprobs": list(generation.logprobs),
+            "top_logprobs": [[list(entry) for entry in step] for step in generation.top_logprobs],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -47,8 +53,10 @@ async def llm_digests(engine) -> dict[str, str]:
     for sampling in SAMPLINGS:
         (solo,) = await generate_co_batched(engine, [requests.enhancement(PROMPT, sampling, SEED)])
         first, second = NEIGHBOUR_INDICES
-        batch = await generate_co_batched(engine, [requests.neighbour(first), requests.enhancement(PROMPT, sampling, SEED),
-                                                   requests.neighbour(second)])
+        batch = await generate_co_batched(
+            engine,
+            [requests.neighbour(first), requests.enhancement(PROMPT, sampling, SEED), requests.neighbour(second)],
+        )
         digests[f"{sampling} solo"] = generation_digest(solo)
         digests[f"{sampling} co-batched target"] = generation_digest(batch[1])
         digests[f"{sampling} co-batched neighbour 1"] = generation_digest(batch[0])
@@ -56,7 +64,9 @@ async def llm_digests(engine) -> dict[str, str]:
     return digests
 
 
-async def llm_self_check(engine, configuration: Configuration, columns: Sequence[GoldenColumn] | None = None) -> SelfCheck:
+async def llm_self_check(
+    engine, configuration: Configuration, columns: Sequence[GoldenColumn] | None = None
+) -> SelfCheck:
     """Run the canonical requests and compare them with this configuration's golden column (none: run nothing)."""
     columns = load_golden() if columns is None else columns
     if not any(c.configuration == configuration for c in columns):

@@ -11,7 +11,7 @@ grammar (`stages.embedded.llm.StyleEnhancement`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,14 +38,21 @@ def refused_by_vllm(field: str, *, kinds: tuple[type[BaseException], ...] = ()) 
     """
     from vllm.exceptions import VLLMClientError
 
+    refusals: tuple[type[BaseException], ...] = (VLLMClientError, *kinds)
     try:
         yield
     except InvalidRequestError:
         raise
-    except (VLLMClientError, *kinds) as err:
+    except refusals as err:
         message = str(err.args[0]) if err.args else type(err).__name__  # without vLLM's echo of the value
         named = getattr(err, "parameter", None) or message.split(" ", 1)[0].strip(".,:`'")
-        param = named if named in LLMSamplingParams.model_fields else field if message.startswith("The decoder prompt") else None
+        param = (
+            named
+            if named in LLMSamplingParams.model_fields
+            else field
+            if message.startswith("The decoder prompt")
+            else None
+        )
         raise InvalidRequestError(f"refused by vLLM: {message}", param=param, code="invalid_value") from None
 
 
@@ -153,7 +160,7 @@ class LLMRequests:
 
     # -- the requests --
 
-    async def enhance(self, prompt: str, params: LLMSamplingParams | dict | None = None) -> RevisedPrompt:
+    async def enhance(self, prompt: str, params: LLMSamplingParams | Mapping[str, Any] | None = None) -> RevisedPrompt:
         """Rewrite `prompt` for the diffusion stage; with provenance (token ids, logprobs)."""
         params = self.admit(params)
         prompt = admit_prompt(prompt)
@@ -176,13 +183,15 @@ class LLMRequests:
             **self.provenance(),
         )
 
-    async def chat(self, messages: Any, params: LLMSamplingParams | dict | None = None) -> Completion:
+    async def chat(self, messages: Any, params: LLMSamplingParams | Mapping[str, Any] | None = None) -> Completion:
         """One chat completion (messages in, assistant text out) through the model's chat template."""
         params = self.admit(params)
         admitted = admit_messages(messages)
         # Role and content only: what the chat template has always been given.
         prompt_ids = self.encode_chat([{"role": m.role, "content": m.content} for m in admitted])
-        result = await self.generate(prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), field="messages")
+        result = await self.generate(
+            prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), field="messages"
+        )
         completion_tokens = len(result.token_ids)
         return Completion(
             text=result.text,
@@ -202,5 +211,9 @@ class LLMRequests:
     def provenance(self) -> dict[str, Any]:
         engine = self.engine
         scope = engine.scope.provenance() if engine.scope is not None else {}  # the stage decides it at start-up
-        return {"model": engine.model.name, "batch_invariant": engine.batch_invariant, "kernel_backend": engine.kernel_backend,
-                **scope}
+        return {
+            "model": engine.model.name,
+            "batch_invariant": engine.batch_invariant,
+            "kernel_backend": engine.kernel_backend,
+            **scope,
+        }

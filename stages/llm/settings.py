@@ -108,7 +108,10 @@ def _base_args(config: LLMStageConfig, model: ModelChoice) -> dict[str, Any]:
 
 def _parallel(engine_args: dict[str, Any]) -> bool:
     """Whether the engine arguments ask for more than one worker (which needs worker processes)."""
-    return any(int(engine_args.get(name) or 1) > 1 for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+    return any(
+        int(engine_args.get(name) or 1) > 1
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    )
 
 
 def _thread_environment(config: LLMStageConfig) -> dict[str, str]:

@@ -11,7 +11,7 @@ from ray import serve
 
 from contracts.config import LLMStageConfig
 from contracts.results import Completion, RevisedPrompt, StageDescription
-from contracts.sampling import LLMSamplingParams
+from contracts.sampling import ChatMessage, LLMSamplingParams
 from stages import replica_id
 from stages.metrics import record, record_switch_state, timed_stage_call
 from stages.scope import llm_configuration, llm_scope
@@ -55,7 +55,9 @@ class LLMStage:
         with self._serving(), timed_stage_call("llm", "enhance"):
             return tokens_counted("enhance", await self.requests.enhance(prompt, params))
 
-    async def chat(self, messages: list[Any], params: LLMSamplingParams | Mapping[str, Any] | None = None) -> Completion:
+    async def chat(
+        self, messages: list[ChatMessage], params: LLMSamplingParams | Mapping[str, Any] | None = None
+    ) -> Completion:
         with self._serving(), timed_stage_call("llm", "chat"):
             return tokens_counted("chat", await self.requests.chat(messages, params))
 
@@ -69,8 +71,11 @@ class LLMStage:
 
     async def describe(self) -> StageDescription:
         described = self.engine.describe()
+        assert self.engine.scope is not None  # set in __init__, before the replica serves
         details = {**described.details, "rewrites": asdict(self.requests.stats), "in_flight": self.in_flight}
-        return described.model_copy(update={"replica": replica_id(), "details": details, **self.engine.scope.provenance()})
+        return described.model_copy(
+            update={"replica": replica_id(), "details": details, **self.engine.scope.provenance()}
+        )
 
     def check_health(self) -> None:
         """Serve calls this every `health_check_period_s`: a dead engine core fails it, and Serve replaces the replica."""

@@ -6,7 +6,13 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from contracts.errors import InvalidRequestError, ModelNotFoundError, PayloadTooLargeError, UnsupportedMediaTypeError
+from contracts.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+    invalid_request,
+)
 from contracts.http import (
     BODY_RULES,
     MAX_GENERATION_BODY_BYTES,
@@ -15,7 +21,6 @@ from contracts.http import (
     ImagesResponse,
     decode_json,
     is_request_error,
-    parse_body,
     parse_size,
 )
 from contracts.sampling import (
@@ -34,6 +39,16 @@ from contracts.seeds import MAX_SEED, MIN_SEED
 
 OK = {"prompt": "a red fox in the snow"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def parse_body(model, raw):
+    """A JSON body validated into `model` as the ingress does it (decoded strictly, then validated, errors naming
+    the field): FastAPI's body validation on top of `decode_json`."""
+    data = decode_json(raw)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise invalid_request(err) from None
 
 
 def refused(model, body) -> InvalidRequestError:

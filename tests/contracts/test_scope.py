@@ -4,11 +4,11 @@ import pytest
 
 from contracts.scope import (
     AuditResult,
-    SelfCheck,
     Configuration,
     Coverage,
     OutsideVerifiedScopeError,
     ScopeRecord,
+    SelfCheck,
     load_records,
     match,
     resolve_strict,

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from contracts.config import DiffusionStageConfig, LLMStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.http import ChatCompletionRequest, ImageGenerationRequest
-from contracts.invariance import SeedContractError
+from contracts.invariance import SeedContractError, Switches
 from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
 from orchestration.app import app_builder, build_app
 from orchestration.config import DEPLOYMENT_NAMES, AppConfig
@@ -71,14 +71,14 @@ def test_null_switches_are_resolved_from_the_environment_once_at_build_and_passe
         clean_switches.delenv(name)  # the replicas must not need the builder's environment
     assert stage_config(llm).batch_invariant is expected["llm"]
     assert stage_config(diffusion).batch_invariant is expected["diffusion"]
-    assert settings.switches == expected
+    assert settings.switches == Switches(**expected)
 
 
 def test_config_switches_override_the_environment(clean_switches):
     clean_switches.setenv("VLLM_BATCH_INVARIANT", "1")
     _, llm, diffusion, settings = bound(build_app({"llm": {"batch_invariant": False}, "diffusion": {"batch_invariant": True}}))
     assert (stage_config(llm).batch_invariant, stage_config(diffusion).batch_invariant) == (False, True)
-    assert settings.switches == {"llm": False, "diffusion": True}
+    assert settings.switches == Switches(llm=False, diffusion=True)
 
 
 def test_each_stage_receives_its_config_whole_and_serve_options_come_from_it():
@@ -171,7 +171,7 @@ def test_admission_refuses_a_seedless_image_request_under_diffusion_invariance()
 
 def test_admission_picks_and_reports_a_seed_without_diffusion_invariance():
     plan = admit_images(image_request(n=3), settings(diffusion=False))
-    assert plan.seed_picked_by_server and 0 <= plan.seed <= MAX_SAFE_SEED
+    assert 0 <= plan.seed <= MAX_SAFE_SEED
     assert [p.seed for p in plan.diffusion_params] == seeds_for_request(plan.seed, 3)
 
 

@@ -113,8 +113,9 @@ def test_embedded_default_serves_64_and_128_pixel_images(http):
     assert generate(http, prompt="a red fox", seed=1, enhance_prompt=False)["size"] == "64x64"
     big = generate(http, prompt="a red fox", seed=1, enhance_prompt=False, size="128x128")
     assert big["size"] == "128x128"
-    from PIL import Image
     import io
+
+    from PIL import Image
 
     assert Image.open(io.BytesIO(png(big["data"][0]))).size == (128, 128)
 

@@ -15,7 +15,13 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
 
-from contracts.errors import InvalidRequestError, ModelNotFoundError, PayloadTooLargeError, QueueFullError, UnsupportedMediaTypeError
+from contracts.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    QueueFullError,
+    UnsupportedMediaTypeError,
+)
 from contracts.http import MAX_JSON_BODY_BYTES, ImagesResponse
 from contracts.invariance import SeedContractError
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
@@ -171,14 +177,14 @@ class StubIngress:
     failure: BaseException | None = None
 
     async def images(self, request):
+        raise self.failure or AssertionError("the stub renders nothing: image tests here set a failure")
+
+    async def chat(self, request):
         from fastapi.responses import JSONResponse
 
         if self.failure:
             raise self.failure
-        return JSONResponse({"echo": request.prompt})
-
-    async def chat(self, request):
-        return await self.images(SimpleNamespace(prompt=request.messages[0].content))
+        return JSONResponse({"echo": request.messages[0].content})
 
 
 @pytest.fixture

@@ -215,7 +215,7 @@ def _params():
 
 
 def _sample(stage):
-    from stages.engine import Sample
+    from stages.diffusion.engine import Sample
 
     return Sample("held", stage.renderer.resolve(_params(), step_engine=True), on_done=None)
 

@@ -220,6 +220,6 @@ def test_make_serves_launcher_refuses_a_taken_metrics_port_at_once_naming_it():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "orchestration.run", "--metrics-port", str(port), "examples.omni_app:app"],
+        done = subprocess.run([sys.executable, "-m", "cli.run", "--metrics-port", str(port), "examples.omni_app:app"],
                               capture_output=True, text=True, timeout=60, cwd=DASHBOARD.parents[2])
     assert done.returncode == 2 and f"port {port} is in use" in done.stderr and "METRICS_PORT" in done.stderr

@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
+from cli.main import main
 from contracts.provenance import RECORD_CHUNK, ImageRecord, read_chunks, read_record
 from contracts.seeds import seeds_for_request
-from orchestration.cli import main
 
 from .conftest import STEPS, TIMEOUT_S
 from .test_edits import IMAGE, edit

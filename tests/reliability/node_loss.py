@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from stages.local_serve import free_port
+from bench.local_serve import free_port
 
 APP = {
     "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.1},

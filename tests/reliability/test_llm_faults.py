@@ -105,11 +105,20 @@ def kill_when_busy(victim: int, killed_at: list[float], timeout_s: float = 30) -
     killed_at.append(time.monotonic())
 
 
-def engine_core(replica_pid: int) -> psutil.Process:
-    """vLLM's engine core: the replica's child process titled VLLM::EngineCore."""
-    cores = [child for child in psutil.Process(replica_pid).children(recursive=True)
-             if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()]
-    assert len(cores) == 1, [(c.pid, c.name(), c.cmdline()) for c in psutil.Process(replica_pid).children(recursive=True)]
+def engine_core(replica_pid: int, timeout_s: float = 60) -> psutil.Process:
+    """vLLM's engine core: the replica's child process titled VLLM::EngineCore. Its title can lag its start on a
+    loaded box (seen under a parallel suite: a healthy replica whose core still read `spawn_main`), so wait for it,
+    bounded; then the replica's one spawned child is the core (the other child is multiprocessing's tracker)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        children = psutil.Process(replica_pid).children(recursive=True)
+        cores = [c for c in children if "EngineCore" in " ".join(c.cmdline()) or "EngineCore" in c.name()]
+        if len(cores) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if len(cores) != 1:
+        cores = [c for c in children if "multiprocessing.spawn" in " ".join(c.cmdline())]
+    assert len(cores) == 1, [(c.pid, c.name(), c.cmdline()) for c in children]
     return cores[0]
 
 

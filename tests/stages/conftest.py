@@ -4,8 +4,8 @@ import pytest
 
 from contracts.config import DiffusionStageConfig
 from stages.diffusion import DiffusionRenderer
+from stages.diffusion.engine import StepEngine
 from stages.embedded import DEFAULT_MODELS, embedded_models
-from stages.engine import StepEngine
 from stages.kernels import disable_batch_invariant_kernels
 
 UNET, DIT = embedded_models("diffusion")

@@ -13,7 +13,9 @@ from ray import serve
 
 from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError, QueueFullError
+from contracts.jobs import RenderJob
 from contracts.results import RenderedImage, StageDescription
+from contracts.sampling import DiffusionSamplingParams
 from contracts.seeds import MAX_SAFE_SEED
 from stages.diffusion import DiffusionStage
 from stages.embedded import embedded_models
@@ -37,13 +39,27 @@ def deploy(name, model=UNET, *, batch_invariant=True, num_replicas=1, **stage_op
     return serve.run(app, name=name, route_prefix=None)
 
 
+def job(prompt, params, **fields) -> RenderJob:
+    return RenderJob(prompt=prompt, params=DiffusionSamplingParams(**params), **fields)
+
+
+def render(handle, job: RenderJob):
+    """The stage's one entry point through its handle: the job's items (previews, then the image)."""
+    return handle.options(stream=True).render.remote(job)
+
+
+def image_of(items):
+    """The RenderedImage at the end of a handle's render stream (what `contracts.jobs.final_image` takes)."""
+    return list(items)[-1]
+
+
 def generate(handle, prompt, seed, **params):
-    return handle.generate.remote(prompt, {"seed": seed, **STEPS, **params}).result(timeout_s=TIMEOUT_S)
+    return image_of(render(handle, job(prompt, {"seed": seed, **STEPS, **params})))
 
 
 def concurrently(handle, requests, **params):
-    responses = [handle.generate.remote(p, {"seed": s, **STEPS, **params}) for p, s in requests]
-    return [r.result(timeout_s=TIMEOUT_S) for r in responses]
+    streams = [render(handle, job(p, {"seed": s, **STEPS, **params})) for p, s in requests]
+    return [image_of(items) for items in streams]
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +118,10 @@ KEY_GROUPS = {
 
 def _sent_together(handle) -> dict[str, list[RenderedImage]]:
     pending = {
-        name: [handle.generate.remote(p, {"seed": s, **STEPS, **extra}) for p, s, extra in items]
+        name: [render(handle, job(p, {"seed": s, **STEPS, **extra})) for p, s, extra in items]
         for name, items in KEY_GROUPS.items()
     }
-    return {name: [r.result(timeout_s=TIMEOUT_S) for r in responses] for name, responses in pending.items()}
+    return {name: [image_of(items) for items in streams] for name, streams in pending.items()}
 
 
 def test_diffusion_step_batching_shares_forwards_across_step_counts_but_never_across_shapes(unet_invariant):
@@ -200,24 +216,25 @@ def test_diffusion_two_replicas_and_a_restarted_replica_return_identical_bytes(s
     ],
 )
 def test_diffusion_bad_input_raises_typed_error_naming_the_field(unet_invariant, prompt, params, param, code):
-    # The stage admits with contracts.admission: the field and code the ingress would give.
+    # The stage admits with contracts.admission: the field and code the ingress would give, for a job built without
+    # validation (what any caller of the handle can send).
     with pytest.raises(InvalidRequestError) as err:
-        unet_invariant.generate.remote(prompt, params).result(timeout_s=60)
+        image_of(render(unet_invariant, RenderJob.model_construct(prompt=prompt, params=params)))
     assert (err.value.param, err.value.code) == (param, code) and err.value.message
 
 
 def test_diffusion_replica_survives_bad_input(unet_invariant):
     with pytest.raises(InvalidRequestError):
-        unet_invariant.generate.remote("a fox", {}).result(timeout_s=60)
+        image_of(render(unet_invariant, job("a fox", {})))
     assert generate(unet_invariant, "a red fox in the snow", 42).seed == 42
 
 
 def test_diffusion_full_queue_rejects_clearly_and_serves_the_rest(unet_invariant):
-    responses = [unet_invariant.generate.remote(f"load {i}", {"seed": i, **STEPS}) for i in range(20)]
+    streams = [render(unet_invariant, job(f"load {i}", {"seed": i, **STEPS})) for i in range(20)]
     served, refused = 0, 0
-    for response in responses:
+    for items in streams:
         try:
-            response.result(timeout_s=TIMEOUT_S)
+            image_of(items)
             served += 1
         except QueueFullError as err:
             assert "retry" in err.message
@@ -228,7 +245,7 @@ def test_diffusion_full_queue_rejects_clearly_and_serves_the_rest(unet_invariant
 def test_diffusion_seedless_request_without_invariance_gets_a_seed_that_reproduces(serve_instance):
     handle = deploy("unet-plain", batch_invariant=False, max_batch_size=1)
     try:
-        first = handle.generate.remote("a red fox", {**STEPS}).result(timeout_s=TIMEOUT_S)
+        first = image_of(render(handle, job("a red fox", STEPS)))
         assert first.batch_invariant is False
         assert 0 <= first.seed <= MAX_SAFE_SEED  # the one seed picker: exact as a JSON number in any client
         again = generate(handle, "a red fox", first.seed)
@@ -262,7 +279,20 @@ def test_a_streamed_render_sends_its_previews_then_the_same_bytes(unet_invariant
     from contracts.results import PartialImage
 
     params = {"seed": 42, **STEPS}
-    items = list(unet_invariant.options(stream=True).stream.remote("a red fox in the snow", params, partial_images=2))
+    items = list(render(unet_invariant, job("a red fox in the snow", params, partial_images=2)))
     assert [type(item) for item in items] == [PartialImage, PartialImage, RenderedImage]
     assert [item.index for item in items[:2]] == [0, 1] and all(item.png.startswith(b"\x89PNG") for item in items[:2])
     assert items[-1].png == generate(unet_invariant, "a red fox in the snow", 42).png
+
+
+def test_the_stage_has_one_entry_point_for_generations_edits_and_streams():
+    # A generation, an edit and a stream differ only in their RenderJob's data (contracts.jobs).
+    served = {name for name in vars(DiffusionStage.func_or_class) if not name.startswith("_")}
+    assert "render" in served and not served & {"generate", "edit", "stream"}
+
+
+def test_the_stage_refuses_what_is_not_a_render_job_naming_why(unet_invariant):
+    with pytest.raises(InvalidRequestError) as err:
+        image_of(render(unet_invariant, {"prompt": "a fox", "params": {"seed": 1}}))
+    assert err.value.code == "invalid_type" and "RenderJob" in err.value.message
+    assert generate(unet_invariant, "a red fox in the snow", 42).seed == 42

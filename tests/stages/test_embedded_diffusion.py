@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from stages.embedded import EMBEDDED_MODELS, MARKER, diffusion, embedded_models
-from stages.embedded.diffusion import KINDS, MODEL_IDS, RECIPE_VERSION, SEED, load_tiny_pipeline, tiny_pipeline_path, weights_fingerprint
+from stages.embedded.diffusion import (
+    KINDS,
+    MODEL_IDS,
+    RECIPE_VERSION,
+    SEED,
+    load_tiny_pipeline,
+    tiny_pipeline_path,
+    weights_fingerprint,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,12 +16,13 @@ from PIL import Image
 
 from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError
+from contracts.jobs import RenderJob, final_image
 from contracts.sampling import DEFAULT_STRENGTH, DiffusionSamplingParams
 from stages.diffusion import DiffusionStage
+from stages.diffusion.engine import Sample
+from stages.diffusion.engine.families import DiTFamily, UNetFamily
+from stages.diffusion.engine.img2img import edit_steps
 from stages.embedded import embedded_models
-from stages.engine import Sample
-from stages.engine.families import DiTFamily, UNetFamily
-from stages.engine.img2img import edit_steps
 
 # The invariance verdict of the step-engine tests; the engines are the `engine` fixture (tests/stages/conftest.py).
 from .test_step_engine import check
@@ -118,6 +119,12 @@ def png(image: Image.Image, fmt: str = "PNG") -> bytes:
     return buffer.getvalue()
 
 
+def edited(stage, image: bytes, params: dict):
+    """An edit through the stage's one entry point, in this process: the image at the end of its stream."""
+    job = RenderJob(prompt="a fox", params=DiffusionSamplingParams(**params), image=image)
+    return asyncio.run(final_image(stage.render(job)))
+
+
 @pytest.fixture(scope="module")
 def stage():
     stage = DiffusionStage.func_or_class(DiffusionStageConfig(model=UNET, batch_invariant=False, torch_threads=1, warm_up=False))
@@ -128,9 +135,9 @@ def stage():
 def test_the_stage_renders_an_edit_at_the_image_size_and_reproduces_it(stage):
     wide = png(picture(3, (96, 64)))
     params = {"seed": 5, "num_inference_steps": 3, "strength": 0.6}
-    first = asyncio.run(stage.edit("a fox", wide, params))
-    again = asyncio.run(stage.edit("a fox", wide, {**params, "width": 96, "height": 64}))
-    stronger = asyncio.run(stage.edit("a fox", wide, {**params, "strength": 1.0}))  # 3 steps, not int(3 * 0.6) = 1
+    first = edited(stage, wide, params)
+    again = edited(stage, wide, {**params, "width": 96, "height": 64})
+    stronger = edited(stage, wide, {**params, "strength": 1.0})  # 3 steps, not int(3 * 0.6) = 1
     assert (first.width, first.height) == (96, 64) and Image.open(io.BytesIO(first.png)).size == (96, 64)
     assert first.png == again.png and stronger.png != first.png
 
@@ -147,7 +154,7 @@ def test_the_stage_renders_an_edit_at_the_image_size_and_reproduces_it(stage):
 ], ids=["not-an-image", "wrong-size", "odd-size", "gif", "not-bytes", "no-step-left", "zero-strength", "latents"])
 def test_the_stage_refuses_a_bad_edit_naming_the_field(stage, image, params, param):
     with pytest.raises(InvalidRequestError) as refused:
-        stage.admit_edit("a fox", image, {"seed": 1, **params})
+        stage.admission.edit("a fox", image, {"seed": 1, **params})
     assert refused.value.param == param, refused.value.message
 
 
@@ -155,5 +162,5 @@ def test_request_level_batching_refuses_edits_naming_the_image():
     stage = DiffusionStage.func_or_class(DiffusionStageConfig(model=UNET, batching="request", batch_invariant=False,
                                                              torch_threads=1, warm_up=False))
     with pytest.raises(InvalidRequestError) as refused:
-        asyncio.run(stage.edit("a fox", png(picture()), {"seed": 1}))
+        edited(stage, png(picture()), {"seed": 1})
     assert refused.value.param == "image" and "not served" in refused.value.message

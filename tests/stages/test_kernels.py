@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from contracts import cpu
 from stages.kernels import (
     KernelReport,
     batch_invariant_kernels,
     current_report,
     disable_batch_invariant_kernels,
     enable_batch_invariant_kernels,
+    native,
 )
-from contracts import cpu
-from stages.kernels import native
 
 DTYPES = [torch.float32, torch.bfloat16]
 REPLACEABLE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::group_norm",

@@ -84,9 +84,8 @@ def test_llm_embedded_tokenizer_chat_template_and_any_text_round_trip(tmp_path, 
 
 
 def test_llm_style_grammar_accepts_style_phrases_only():
-    from xgrammar.testing import _is_grammar_accept_string
-
     from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
 
     grammar = Grammar.from_ebnf(embedded.STYLE_GRAMMAR)
     assert _is_grammar_accept_string(grammar, "small, left")
@@ -338,3 +337,14 @@ def test_llm_audit_orders_cover_positions_without_duplicates():
             assert sorted(order) == [-1, *range(size - 1)]
         positions = {order.index(-1) for _, order in orders}
         assert {0, size - 1} <= positions
+
+
+def test_vllms_private_batch_invariance_state_is_reset_only_for_a_version_the_adapter_knows(monkeypatch):
+    import vllm
+
+    from stages.kernels import vllm_mode
+
+    assert vllm_mode.available() is None and vllm_mode.active() is False
+    monkeypatch.setattr(vllm, "__version__", "9.9.9")
+    with pytest.raises(vllm_mode.UnknownVLLMError, match="vLLM 9.9.9"):
+        vllm_mode.leave()

@@ -36,7 +36,7 @@ def _label(candidate: dict) -> str:
 
 def _run_audit(path: Path, candidate: dict, kernels: str) -> dict:
     command = [
-        sys.executable, "-m", "orchestration.cli", "audit", "--stage", "llm", "--json", str(path), "--kernels", kernels,
+        sys.executable, "-m", "cli.main", "audit", "--stage", "llm", "--json", str(path), "--kernels", kernels,
         "--model", candidate["model"], "--targets", "short,long", "--orderings", ",".join(ORDERINGS),
         "--batch-sizes", ",".join(map(str, candidate["batch_sizes"])), "--samplings", "seeded",
     ]

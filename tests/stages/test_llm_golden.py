@@ -15,8 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from contracts.scope import (AuditResult, Configuration, Coverage, GoldenColumn, ScopeRecord, compare_golden,
-                             load_golden, match)
+from contracts.scope import (
+    AuditResult,
+    Configuration,
+    Coverage,
+    GoldenColumn,
+    ScopeRecord,
+    compare_golden,
+    load_golden,
+    match,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 import contracts.scope
+from cli.main import main
 from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError
+from contracts.jobs import RenderJob, final_image
 from contracts.provenance import read_record
+from contracts.sampling import DiffusionSamplingParams
 from contracts.scope import OutsideVerifiedScopeError, load_records
-from orchestration.cli import main
 from stages.audit.record import build_record
 from stages.diffusion import DiffusionStage
 from stages.embedded import DEFAULT_MODELS
@@ -58,7 +60,8 @@ def described(stage):
 def generate(stage, size: int, steps: int = 1):
     import asyncio
 
-    return asyncio.run(stage.generate("a red fox", {"seed": 3, "height": size, "width": size, "num_inference_steps": steps}))
+    params = DiffusionSamplingParams(seed=3, height=size, width=size, num_inference_steps=steps)
+    return asyncio.run(final_image(stage.render(RenderJob(prompt="a red fox", params=params))))
 
 
 def test_with_the_defaults_the_diffusion_replica_and_its_images_are_verified_by_the_shipped_records():
@@ -255,9 +258,9 @@ def test_a_replica_whose_self_check_differs_is_unverified_and_names_what_differe
     columns = contracts.scope.load_golden()
     altered = [GoldenColumn.model_validate({**c.model_dump(), "digests": {**c.digests, "edit": "0" * 64}}) for c in columns]
     monkeypatch.setattr(contracts.scope, "load_golden", lambda path=None: altered)
-    import stages.golden
+    import stages.diffusion.golden
 
-    monkeypatch.setattr(stages.golden, "load_golden", lambda path=None: altered)
+    monkeypatch.setattr(stages.diffusion.golden, "load_golden", lambda path=None: altered)
     with replica(torch_threads=1) as stage:
         check = stage.scope.self_check
         if not check.total:

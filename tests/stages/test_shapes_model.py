@@ -18,8 +18,20 @@ from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_models
 from stages.embedded.diffusion import TRAINED_PATH, weights_fingerprint
 from stages.embedded.llm import StyleEnhancement
 from stages.embedded.shapes import (
-    COLOURS, HELD_OUT, SHAPES, WORDS, Scene, background_phrase, caption, centroid, colour_share, drawn_area, drawn_as_said,
-    training_scenes, with_article, word_tokenizer,
+    COLOURS,
+    HELD_OUT,
+    SHAPES,
+    WORDS,
+    Scene,
+    background_phrase,
+    caption,
+    centroid,
+    colour_share,
+    drawn_area,
+    drawn_as_said,
+    training_scenes,
+    with_article,
+    word_tokenizer,
 )
 from stages.embedded.shapes_training import TrainingPlan, draw, hit_rate, train
 

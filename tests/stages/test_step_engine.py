@@ -1,4 +1,4 @@
-"""The step engine (stages.engine): samples join and leave between steps, and none of it changes a sample's bits.
+"""The step engine (stages.diffusion.engine): samples join and leave between steps, and none of it changes a sample's bits.
 
 Real tiny pipelines (UNet and DiT), real kernels, the engine's own thread; no Ray. The engines are the
 `engine` fixture of tests/stages/conftest.py. Each invariance check runs
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from contracts.sampling import DiffusionSamplingParams
-from stages.engine import Sample
+from stages.diffusion.engine import Sample
 
 pytestmark = pytest.mark.slow
 TARGET = ("a red fox in the snow", 42)
@@ -166,7 +166,7 @@ def test_the_engine_keeps_nothing_per_request_key(engine):
 
 
 def test_preview_steps_are_evenly_spaced_and_never_the_last_step():
-    from stages.engine.sample import preview_steps
+    from stages.diffusion.engine.sample import preview_steps
 
     assert preview_steps(8, 3) == (2, 4, 6) and preview_steps(4, 2) == (1, 3) and preview_steps(4, 0) == ()
     assert preview_steps(2, 3) == (1,) and preview_steps(1, 2) == ()  # too few steps: fewer previews

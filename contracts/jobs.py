@@ -1,0 +1,42 @@
+"""The one typed job the image routes hand the diffusion stage: a generation or an edit, streamed or not.
+
+Generations, edits and streams differ only in data: an edit carries its input `image`, a stream asks for
+`partial_images` previews. The ingress builds one `RenderJob` per image and the stage has one entry point for it
+(`DiffusionStage.render`), which yields the previews, then the image; a caller that wants the image alone takes the
+last item (`final_image`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable
+from typing import Any
+
+from pydantic import StrictBytes, StrictStr
+
+from .provenance import ImageOrigin
+from .results import RenderedImage
+from .sampling import Contract, DiffusionSamplingParams, PartialImages
+
+
+class RenderJob(Contract):
+    """One image to render. The stage admits every field again with the ingress's functions (contracts.admission)."""
+
+    prompt: StrictStr  # what the model renders: the revised prompt, or the client's when it was not rewritten
+    params: DiffusionSamplingParams
+    origin: ImageOrigin | None = None  # the client's prompt and its rewrite, for the PNG's record
+    image: StrictBytes | None = None  # an edit's input image, as the client sent it (None: a generation)
+    partial_images: PartialImages = 0  # previews to send before the image (streaming)
+
+    @property
+    def kind(self) -> str:
+        return "generation" if self.image is None else "edit"
+
+
+async def final_image(items: AsyncIterable[Any]) -> RenderedImage:
+    """The RenderedImage at the end of a `render` stream, previews skipped (a stage handle's or the stage's own)."""
+    last = None
+    async for item in items:
+        last = item
+    if not isinstance(last, RenderedImage):
+        raise RuntimeError(f"a render stream ended without its image (last item: {type(last).__name__})")
+    return last

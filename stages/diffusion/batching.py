@@ -1,0 +1,166 @@
+"""How a replica batches: the step engine where it knows the pipeline, else whole requests.
+
+StepBatching         the pipelines the step engine knows (`stages.diffusion.engine`): samples join and leave
+                     between denoising steps, cancelled ones leave at the next step boundary; image edits
+                     (image-to-image, `stages.diffusion.engine.img2img`) run there only.
+RequestBatching      any other pipeline: one @serve.batch queue per batch key, whole requests.
+previews_then_image  one job as a stream: its previews as the engine decodes them, then its image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+from ray import serve
+
+from contracts.config import DiffusionStageConfig
+from contracts.results import PartialImage, RenderedImage
+from stages.diffusion.engine import Sample, StepEngine
+from stages.metrics import record_queue_wait
+
+from .renderer import BatchKey, DiffusionRenderer, Job, encode_png
+
+
+class StepBatching:
+    """Step-level continuous batching on the step engine; a cancelled request leaves at the next step."""
+
+    mode = "step"
+
+    def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
+        assert renderer.family is not None  # chosen only for a pipeline the step engine knows
+        self.engine = StepEngine(
+            renderer.family, max_batch_size=config.max_batch_size, torch_threads=config.torch_threads
+        )
+        self.rendered = rendered  # (job, float image, batch_size, steps_co_batched) -> RenderedImage
+
+    async def render(self, job: Job, on_preview=None) -> RenderedImage:
+        """Render one job; `on_preview(index, float image)` is called on the engine's thread at `job.previews`."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def on_done(result: Any) -> None:  # on the engine's thread: encode there, settle on the event loop
+            if not isinstance(result, BaseException):
+                result = self.rendered(job, result, sample.largest_batch, sample.steps_co_batched)
+            loop.call_soon_threadsafe(_settle, future, result)
+
+        sample = self.engine.submit(
+            Sample(
+                job.prompt,
+                job.params,
+                on_done=on_done,
+                image=job.image,
+                on_partial=on_preview,
+                partial_steps=job.previews if on_preview else (),
+            )
+        )
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.engine.cancel(sample)
+            raise
+        finally:
+            record_queue_wait(sample)
+
+    def warm_up(self, job: Job) -> None:
+        self.engine.render([Sample(job.prompt, job.params, on_done=None)])
+
+    @property
+    def alive(self) -> bool:
+        return self.engine.alive
+
+    def busy_s(self) -> float:
+        """How long the engine's current step has run (0.0 while idle)."""
+        started = self.engine.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def load(self) -> dict[str, int]:
+        return self.engine.load()
+
+
+class RequestBatching:
+    """Whole-request batching: one @serve.batch queue per batch key (Serve has no keyed batching)."""
+
+    mode = "request"
+
+    def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
+        self.renderer, self.config, self.rendered = renderer, config, rendered
+        self._queues: dict[BatchKey, Any] = {}
+        self._batch_started: float | None = None  # time.monotonic() when the running batch began
+        # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful).
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
+
+    async def render(self, job: Job, on_preview=None) -> RenderedImage:
+        """Render one job in a whole-request batch: no partial images (the pipeline has no step boundary to show)."""
+        return await self._queue(BatchKey.of(job.params))(job)
+
+    def _queue(self, key: BatchKey):
+        queue = self._queues.get(key)
+        if queue is None:
+
+            @serve.batch(
+                max_batch_size=self.config.max_batch_size, batch_wait_timeout_s=self.config.batch_wait_timeout_s
+            )
+            async def run_batch(jobs: list[Job]) -> list[RenderedImage]:
+                return await asyncio.get_running_loop().run_in_executor(self._compute, self._render, jobs)
+
+            self._queues[key] = queue = run_batch
+        return queue
+
+    def _render(self, jobs: list[Job]) -> list[RenderedImage]:
+        self._batch_started = time.monotonic()
+        try:
+            images = self.renderer.render(jobs)
+        finally:
+            self._batch_started = None
+        shared = len(jobs) > 1
+        return [
+            self.rendered(job, image, len(jobs), cast(int, job.params.num_inference_steps) * shared)  # resolved: set
+            for job, image in zip(jobs, images, strict=False)
+        ]
+
+    def warm_up(self, job: Job) -> None:
+        self.renderer.render([job])
+
+    @property
+    def alive(self) -> bool:
+        """The compute thread can still take batches (the executor starts it on the first one)."""
+        return not self._compute._shutdown and all(thread.is_alive() for thread in self._compute._threads)
+
+    def busy_s(self) -> float:
+        """How long the running batch has run (0.0 while idle)."""
+        started = self._batch_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def load(self) -> dict[str, int]:
+        return {"queues": len(self._queues)}
+
+
+def _settle(future: asyncio.Future, result: Any) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+async def previews_then_image(render, job: Job):
+    """`render(job, on_preview)` as a stream: each PartialImage as the engine decodes it, then the RenderedImage."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def preview(index: int, picture: Any) -> None:  # on the engine's thread, before its image is done
+        partial = PartialImage(index=index, png=encode_png(picture), height=job.params.height, width=job.params.width)
+        loop.call_soon_threadsafe(queue.put_nowait, partial)
+
+    rendering = asyncio.ensure_future(render(job, preview))
+    rendering.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        while (item := await queue.get()) is not None:
+            yield item
+        yield rendering.result()
+    finally:
+        rendering.cancel()  # the caller went away: the sample leaves the engine at its next step

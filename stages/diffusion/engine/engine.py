@@ -1,0 +1,205 @@
+"""The step engine: continuous batching of denoising steps, one compute thread per replica.
+
+Between two steps, finished samples leave and waiting ones join; each step calls the denoiser once for up to
+`max_batch_size` samples of one latent shape, whatever their timesteps, step counts, guidance scales,
+negative prompts and schedulers. A cancelled sample leaves at the next step boundary (its text encoding and
+decode are skipped if they have not happened). Nothing is kept per request key: the engine holds the samples
+in flight and nothing else.
+
+Which samples share a step: the fewest remaining steps first (short requests are not stuck behind long
+ones), aged by the steps a sample has waited through (long ones are never starved), arrival order last.
+With the batch-invariant kernels on, none of this changes a sample's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, cast
+
+import torch
+
+from .families import Family
+from .sample import Sample
+
+logger = logging.getLogger("ray.serve")
+
+
+class StepEngine:
+    def __init__(self, family: Family, *, max_batch_size: int, torch_threads: int | None = None):
+        self.family, self.max_batch_size, self.torch_threads = family, max_batch_size, torch_threads
+        self._waiting: deque[Sample] = deque()
+        self._active: list[Sample] = []
+        self._wake = threading.Condition()
+        self._arrivals = itertools.count()
+        self._stopped = False
+        self.forwards = 0
+        self.step_started: float | None = None  # time.monotonic() when the current step began; None: idle
+        self._thread = threading.Thread(target=self._run, name="diffusion-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side (any thread) ------------------------------------------------------------------
+
+    def submit(self, sample: Sample) -> Sample:
+        with self._wake:
+            sample.arrival = next(self._arrivals)
+            self._waiting.append(sample)
+            self._wake.notify()
+        return sample
+
+    def cancel(self, sample: Sample) -> None:
+        """The sample leaves at the next step boundary; nobody is told (its caller is gone)."""
+        with self._wake:
+            sample.cancelled = True
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def load(self) -> dict[str, int]:
+        return {"waiting": len(self._waiting), "active": len(self._active), "forwards": self.forwards}
+
+    def render(self, samples: list[Sample], timeout_s: float = 600.0) -> list[Any]:
+        """Submit `samples` and wait for their images (warm-up, tests, benchmarks: no event loop needed)."""
+        done = threading.Semaphore(0)
+        results: dict[int, Any] = {}
+        for index, sample in enumerate(samples):
+            sample.on_done = functools.partial(_kept, results, done, index)
+            self.submit(sample)
+        for _ in samples:
+            if not done.acquire(timeout=timeout_s):
+                raise TimeoutError("the step engine did not finish in time")
+        for result in results.values():
+            if isinstance(result, BaseException):
+                raise result
+        return [results[i] for i in range(len(samples))]
+
+    # -- the compute thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)  # per thread: OpenMP settings do not follow threads
+        while True:
+            with self._wake:
+                while not self._stopped and not self._waiting and not self._active:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                joining, self.step_started = self._take_joining(), time.monotonic()
+                self._active = [s for s in self._active if not s.cancelled]
+            with torch.inference_mode():
+                self._join(joining)
+                batch = self._pick()
+                if batch:
+                    self._forward(batch)
+            self.step_started = None
+
+    def _take_joining(self) -> list[Sample]:
+        """Waiting samples that join now (at most one batch of text encodings), the cancelled ones dropped."""
+        joining, now = cast(list[Sample], []), time.monotonic()  # cast: an empty list's items are not inferred
+        while self._waiting and len(joining) < self.max_batch_size:
+            if not (sample := self._waiting.popleft()).cancelled:
+                sample.joined_at = now
+                joining.append(sample)
+        return joining
+
+    def _join(self, joining: list[Sample]) -> None:
+        if not joining:
+            return
+        try:
+            self.family.encode(joining)
+            for sample in joining:
+                self.family.prepare(sample)
+        except Exception as exc:
+            self._fail(joining, exc)
+            return
+        self._active.extend(joining)
+
+    def _pick(self) -> list[Sample]:
+        ready = [s for s in self._active if not s.cancelled and not s.finished]
+        if not ready:
+            return []
+        ready.sort(key=lambda s: (s.remaining - s.skipped, s.arrival))
+        shape = ready[0].shape
+        batch = [s for s in ready if s.shape == shape][: self.max_batch_size]
+        for sample in ready:
+            if sample not in batch:
+                sample.skipped += 1
+        return batch
+
+    def _forward(self, batch: list[Sample]) -> None:
+        try:
+            predictions = self.family.denoise(batch)
+            for sample, prediction in zip(batch, predictions, strict=False):
+                self.family.step(sample, prediction)
+        except Exception as exc:
+            self._fail(batch, exc)
+            return
+        self.forwards += 1
+        for sample in batch:
+            sample.largest_batch = max(sample.largest_batch, len(batch))
+            sample.steps_co_batched += len(batch) > 1
+        self._partials([s for s in batch if s.on_partial and s.step in s.partial_steps and not s.cancelled])
+        finished = [s for s in batch if s.finished]
+        if finished:
+            self._active = [s for s in self._active if not s.finished]
+            self._finish([s for s in finished if not s.cancelled])
+
+    def _partials(self, samples: list[Sample]) -> None:
+        """Decode each sample's current estimate of its final latents (its state is not touched)."""
+        if samples:
+            estimates = [s.prediction if s.prediction is not None else s.latents for s in samples]
+            for sample, image in zip(samples, self._decode(samples, torch.cat(estimates)), strict=False):
+                _show(sample, image)
+
+    def _finish(self, samples: list[Sample]) -> None:
+        if samples:
+            _tell_each(samples, self._decode(samples, torch.cat([s.latents for s in samples])))
+
+    def _decode(self, samples: list[Sample], latents: torch.Tensor) -> list[Any]:
+        try:
+            return list(self.family.decode(latents))
+        except Exception as exc:
+            self._fail(samples, exc)
+            return []
+
+    def _fail(self, samples: list[Sample], exc: Exception) -> None:
+        logger.exception("the step engine failed on %d sample(s)", len(samples), exc_info=exc)
+        self._active = [s for s in self._active if s not in samples]
+        for sample in samples:
+            _tell(sample, exc)
+
+
+def _kept(results: dict[int, Any], done: threading.Semaphore, index: int, result: Any) -> None:
+    """`StepEngine.render`'s callback for its sample `index`: keep the result, then wake the caller."""
+    results[index] = result
+    done.release()
+
+
+def _show(sample: Sample, image: Any) -> None:
+    assert sample.on_partial is not None  # only samples with one are decoded for previews
+    sample.on_partial(sample.partial_steps.index(sample.step), image)
+
+
+def _tell_each(samples: list[Sample], images: list[Any]) -> None:
+    """Each sample its image; none when the decode failed (`_fail` has told each one why)."""
+    for sample, image in zip(samples, images, strict=False):
+        _tell(sample, image)
+
+
+def _tell(sample: Sample, result: Any) -> None:
+    try:
+        assert sample.on_done is not None  # set before the sample was submitted
+        sample.on_done(result)
+    except Exception:  # a caller's callback must never stop the engine
+        logger.exception("a step-engine callback failed")

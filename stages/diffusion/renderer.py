@@ -1,0 +1,232 @@
+"""The renderer: one loaded diffusers pipeline and the rules for filling and rendering requests. No Ray, no HTTP.
+
+BatchKey, Job      what decides whether two requests may share a whole-request batch; one image to render
+encode_png         float pixels -> PNG bytes with the image's record in its text chunks (`contracts.provenance`)
+DiffusionRenderer  loads the pipeline (kernels first, when the switch is on; without them it refuses to start
+                   rather than serve batch-dependent bytes), fills a request's defaults, refuses what this
+                   model cannot render, and renders a batch of same-key requests through the pipeline
+                   itself (the audit and the request-level mode use it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+from dataclasses import dataclass
+from typing import Any
+
+from contracts.config import DiffusionDefaults, DiffusionStageConfig
+from contracts.errors import InvalidRequestError
+from contracts.provenance import ImageOrigin, ImageRecord, png_info
+from contracts.sampling import DiffusionSamplingParams, batch_parts
+from contracts.seeds import seed_or_picked
+from stages.diffusion.engine import family_for
+from stages.diffusion.engine.families import vae_slicing
+from stages.diffusion.engine.sample import seeded_generator
+from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Everything that changes tensor shapes or the schedule: only equal keys share a forward. Its parts are the
+    sampling fields marked `batch` (`contracts.sampling.batch_parts`), read as attributes (`key.height`,
+    `key.has_latents`)."""
+
+    parts: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, params: DiffusionSamplingParams) -> BatchKey:
+        return cls(batch_parts(params))
+
+    def __getattr__(self, name: str) -> Any:
+        for part, value in self.parts:
+            if part == name:
+                return value
+        raise AttributeError(name)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One image to render: its prompt, its resolved params, for an edit its init image, and what its PNG records."""
+
+    prompt: str
+    params: DiffusionSamplingParams  # resolved: no None left but negative_prompt/latents/sigmas/device
+    image: Any = (
+        None  # edits: the init image, preprocessed (1, 3, H, W) (stages.diffusion.engine.img2img); None: text-to-image
+    )
+    source: bytes | None = None  # edits: the init image as sent (its sha256 goes into the PNG's record)
+    origin: ImageOrigin | None = None  # the client's prompt and its rewrite, when the ingress sent it
+    previews: tuple[int, ...] = ()  # the steps after which a partial image is decoded (streaming)
+
+
+def encode_png(image, record: ImageRecord | None = None) -> bytes:
+    """float HxWx3 in [0, 1] -> PNG bytes, the way diffusers quantises (round(x * 255)), with the record's chunks."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.clip(image, 0.0, 1.0) * 255).round().astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=6, pnginfo=png_info(record))
+    return buffer.getvalue()
+
+
+def load_pipeline(model: str, *, device: str, dtype: str):
+    """An embedded tiny pipeline (built locally) or a diffusers checkpoint, on `device`, progress bars off."""
+    import torch
+
+    if model in EMBEDDED_MODELS:
+        from stages.embedded.diffusion import load_tiny_pipeline
+
+        pipe = load_tiny_pipeline(EMBEDDED_MODELS[model].recipe, dtype=getattr(torch, dtype))
+    else:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype))
+    pipe = pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class DiffusionRenderer:
+    """A loaded pipeline plus the rules for filling and rendering requests. No Ray, no HTTP.
+
+    `config.batch_invariant` must already be resolved to a bool (the stage does it; the audit sets it).
+    """
+
+    def __init__(self, config: DiffusionStageConfig):
+        import torch
+
+        from stages.kernels import current_report, enable_batch_invariant_kernels
+
+        self.config = config
+        self.batch_invariant = bool(config.batch_invariant)
+        self.device = config.device
+        if self.device == "cpu":
+            from contracts.cpu import hold_process_to_path
+
+            hold_process_to_path()  # ATen, oneDNN and MKL at the kernel path's level: one path, one machine's bits
+        self.torch_threads = config.torch_threads
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        # Kernels go in before the model loads, so nothing is built or warmed with stock kernels.
+        self.kernels = enable_batch_invariant_kernels(self.device) if self.batch_invariant else current_report()
+        if self.batch_invariant and not self.kernels.installed:
+            # Fail closed: stock kernels would answer with batch-dependent bytes while promising invariance.
+            raise RuntimeError(
+                f"diffusion batch invariance is on but its kernels are not installed, so this "
+                f"replica refuses to start: {self.kernels.reason}"
+            )
+        self.model = config.model or DEFAULT_MODELS["diffusion"]
+        self.pipe = load_pipeline(self.model, device=self.device, dtype=config.dtype)
+        # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size.
+        patch = getattr(getattr(self.pipe, "transformer", None), "config", None)
+        self.size_multiple = self.pipe.vae_scale_factor * (getattr(patch, "patch_size", 1) or 1)
+        self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters
+        self.defaults = self._defaults(config.defaults)
+        self.family = family_for(self.pipe)  # None: the step engine does not know this pipeline
+
+    def _defaults(self, given: DiffusionDefaults) -> dict:
+        """The model's own defaults (the embedded ones are small), overridden by the configured ones."""
+        embedded = self.model in EMBEDDED_MODELS
+        size = 64 if embedded else self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        defaults = {"num_inference_steps": 8 if embedded else 28, "guidance_scale": 5.0, "height": size, "width": size}
+        return {**defaults, **given.model_dump(exclude_none=True)}
+
+    # --- admission of resolved params: what this model can render -------------------------------------
+
+    def resolve(self, params: DiffusionSamplingParams, *, step_engine: bool = False) -> DiffusionSamplingParams:
+        """Fill unset fields with this model's defaults; refuse what exceeds the limits or this model.
+
+        A scheduler other than the model's own is chosen per sample by the step engine only.
+        """
+        filled = {k: v for k, v in self.defaults.items() if getattr(params, k) is None}
+        if params.seed is None:
+            filled["seed"] = seed_or_picked(params.seed)
+        resolved = params.model_copy(update=filled) if filled else params
+        self.config.check_limits(resolved)
+        self._check_renderable(resolved)
+        if resolved.scheduler is not None:
+            served = sorted(self.family.SCHEDULERS) if step_engine and self.family else []
+            if resolved.scheduler not in served:
+                raise InvalidRequestError(
+                    f"scheduler {resolved.scheduler!r} is not served for {self.model}; choose one of {served} or leave it out",
+                    param="scheduler",
+                    code="unsupported_value",
+                )
+        return resolved
+
+    def _check_renderable(self, params: DiffusionSamplingParams) -> None:
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value % self.size_multiple:
+                raise InvalidRequestError(
+                    f"{name} must be a multiple of {self.size_multiple} for {self.model}, got {value}", param=name
+                )
+        if params.sigmas is not None:
+            if not self.accepts_sigmas:
+                raise InvalidRequestError(f"{self.model}'s scheduler does not take sigmas", param="sigmas")
+            if len(params.sigmas) != params.num_inference_steps:
+                raise InvalidRequestError("sigmas must have num_inference_steps entries", param="sigmas")
+        if params.generator_device and params.generator_device.split(":")[0] not in ("cpu", self.device.split(":")[0]):
+            raise InvalidRequestError(
+                f"generator_device {params.generator_device!r} is not available here", param="generator_device"
+            )
+        if params.latents is not None:
+            self._latents_tensor(params)  # shape check at admission, not inside a batch
+
+    def _latent_shape(self, params: DiffusionSamplingParams) -> tuple[int, ...]:
+        denoiser = getattr(self.pipe, "unet", None) or self.pipe.transformer
+        channels = denoiser.config.in_channels
+        factor = self.pipe.vae_scale_factor
+        return (channels, params.height // factor, params.width // factor)
+
+    def _latents_tensor(self, params: DiffusionSamplingParams):
+        import torch
+
+        try:
+            latents = torch.tensor(params.latents, dtype=torch.float32)
+        except (ValueError, TypeError) as err:
+            raise InvalidRequestError(f"latents must be a rectangular nested list: {err}", param="latents") from err
+        if tuple(latents.shape) != self._latent_shape(params):
+            raise InvalidRequestError(
+                f"latents must have shape {list(self._latent_shape(params))}, got {list(latents.shape)}",
+                param="latents",
+            )
+        return latents
+
+    # --- rendering --------------------------------------------------------------------------------------
+
+    def render(self, jobs: list[Job], **pipeline_kwargs: Any):
+        """Render same-key jobs in one forward; returns float images (N, H, W, 3) in [0, 1]."""
+        import torch
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)  # per thread: OpenMP settings do not follow threads
+        key = BatchKey.of(jobs[0].params)
+        assert all(BatchKey.of(job.params) == key for job in jobs), "a batch mixes keys"
+        kwargs = self._pipeline_inputs(jobs, key)
+        with torch.inference_mode(), vae_slicing(getattr(self.pipe, "vae", None), key.height, key.width):
+            return self.pipe(**kwargs, **pipeline_kwargs).images
+
+    def _pipeline_inputs(self, jobs: list[Job], key: BatchKey) -> dict[str, Any]:
+        """The pipeline's keyword arguments for one batch: one generator per sample, made here from its seed."""
+        import torch
+
+        generators = [seeded_generator(job.params) for job in jobs]
+        kwargs = dict(
+            prompt=[job.prompt for job in jobs],
+            generator=generators,
+            num_inference_steps=key.num_inference_steps,
+            guidance_scale=key.guidance_scale,
+            height=key.height,
+            width=key.width,
+            output_type="np",
+        )
+        if key.has_negative_prompt:
+            kwargs["negative_prompt"] = [job.params.negative_prompt for job in jobs]
+        if key.sigmas is not None:
+            kwargs["sigmas"] = list(key.sigmas)
+        if key.has_latents:
+            dtype = next(self.pipe.components[c] for c in ("unet", "transformer") if c in self.pipe.components).dtype
+            kwargs["latents"] = torch.stack([self._latents_tensor(job.params) for job in jobs]).to(self.device, dtype)
+        return kwargs
