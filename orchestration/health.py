@@ -40,7 +40,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from contracts.config import DeploymentConfig
-from contracts.invariance import STAGES, Stage
+from contracts.invariance import STAGES, Stage, Switches
 from contracts.results import StageDescription
 from contracts.scope import Verdict
 
@@ -79,7 +79,7 @@ class StageHealth(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok", "degraded", "down"]
-    batch_invariant: dict[str, bool]
+    batch_invariant: Switches
     stages: dict[str, StageHealth]
     ingress: dict[str, Any]
 

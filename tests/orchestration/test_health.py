@@ -19,6 +19,7 @@ import time
 import pytest
 
 from contracts.config import DiffusionStageConfig, LLMStageConfig
+from contracts.invariance import Switches
 from contracts.results import StageDescription
 from orchestration.health import HealthResponse, judge, redact, stage_health, wanted_replicas
 
@@ -90,7 +91,7 @@ def test_no_answer_from_describe_is_degraded_while_serve_runs_replicas_and_down_
 
 def test_health_answers_503_only_when_a_stage_is_down():
     def response(status):
-        return HealthResponse(status=status, batch_invariant={}, stages={}, ingress={})
+        return HealthResponse(status=status, batch_invariant=Switches(llm=True, diffusion=True), stages={}, ingress={})
 
     assert [response(s).http_status for s in ("ok", "degraded", "down")] == [200, 200, 503]
 
