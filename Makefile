@@ -58,8 +58,6 @@ toolchains:
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++-aarch64-linux-gnu >/dev/null; \
 	else echo "make toolchains: aarch64-linux-gnu-g++ is missing; install it as root: apt-get install g++-aarch64-linux-gnu" >&2; fi
 
-# The kernel and golden tests again on every other kernel path this CPU runs (contracts/cpu.py: avx2 by default,
-# generic and, on AVX-512 machines, avx512 forced), ATen, oneDNN and MKL held to the same level.
 # ruff (lint and format) and mypy over the served packages and the drivers: clean, or make test stops here.
 LINTED := contracts stages orchestration bench cli
 lint: setup
@@ -67,9 +65,14 @@ lint: setup
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
 
+# The whole suite on this machine's kernel path (two xdist workers: pyproject.toml), then the kernel, step-engine
+# (co-batched bits) and golden tests again on every other path this CPU runs (contracts/cpu.py: avx2 by default,
+# generic and, on AVX-512 machines, avx512 forced), ATen, oneDNN and MKL held to the same level; tests that cover
+# every path themselves (`path_independent`) run once.
+PATH_TESTS := tests/stages/test_kernels.py tests/stages/test_step_engine.py tests/test_golden.py
 test: setup browser toolchains lint
 	$(BIN)/python -m pytest
 	@for isa in $$($(BIN)/python -c "from contracts import cpu; print(*(i for i in cpu.supported_isas() if i != cpu.cpu_isa()))"); do \
-		echo "== kernel path $$isa: tests/stages/test_kernels.py tests/test_golden.py"; \
-		OMNISERVE_CPU_ISA=$$isa $(BIN)/python -m pytest -q tests/stages/test_kernels.py tests/test_golden.py || exit 1; \
+		echo "== kernel path $$isa: $(PATH_TESTS)"; \
+		OMNISERVE_CPU_ISA=$$isa $(BIN)/python -m pytest -q -m "not path_independent" $(PATH_TESTS) || exit 1; \
 	done

@@ -214,6 +214,9 @@ class DiffusionSamplingParams(Contract):
     width: Annotated[Side | None, Served(request=None, default=True, rendered=True, batch="value")] = None
     negative_prompt: Annotated[PromptText | None, Served(batch="presence")] = None
     scheduler: Annotated[SchedulerName | None, Served()] = None
+    # FLUX's true classifier-free guidance (a second branch on the negative prompt, when one is given); None: off (1.0).
+    # Its `guidance_scale` is the distilled guidance the transformer embeds.
+    true_cfg_scale: Annotated[GuidanceScale | None, Served(batch="value")] = None
     strength: Annotated[Strength | None, Served(request="edit")] = None  # image edits only: None is DEFAULT_STRENGTH
     # The three inputs the seed contract forbids under invariance (see contracts.invariance).
     generator_device: Annotated[GeneratorDevice | None, Served(batch="value")] = None

@@ -26,16 +26,50 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 
+#: Seconds each scope took (setup, calls and teardown, from `pytest --durations`, 2-core EPYC, 2026-12-02): the
+#: scheduler hands out the longest first, so no long module starts last while the other worker idles (measured before:
+#: the reliability modules, few tests each, went last and ran 6 minutes on one worker). Only the order matters;
+#: a scope not listed counts as short.
+SCOPE_SECONDS = {
+    "tests/orchestration": 450,
+    "tests/reliability/test_llm_faults.py": 250,
+    "tests/stages/test_llm_serve.py": 240,
+    "tests/stages/test_diffusion_stage.py": 240,
+    "tests/stages/test_step_engine.py": 200,
+    "tests/stages/test_diffusion_audit.py": 190,
+    "tests/reliability/test_node_loss.py": 180,
+    "tests/bench/test_app.py": 90,
+    "tests/stages/test_img2img.py": 80,
+    "tests/stages/test_llm.py": 70,
+    "tests/stages/test_kernels.py": 60,
+    "tests/reliability/test_replica_loss.py": 60,
+    "tests/reliability/test_fuzz.py": 60,
+    "tests/test_make_serve.py": 60,
+    "tests/stages/test_llm_audit.py": 55,
+    "tests/bench/test_llm.py": 45,
+    "tests/stages/test_scope.py": 40,
+    "tests/stages/test_llm_golden.py": 40,
+    "tests/test_gpu_check_script.py": 30,
+    "tests/test_golden.py": 20,
+}
+
+
 def pytest_xdist_make_scheduler(config, log):
     """Two xdist workers (pyproject's addopts): each test module whole on one worker, so its module fixtures start
-    once; the orchestration package whole on one, since its modules share one app (tests/orchestration/conftest.py).
-    (xdist's own `loadgroup` marks do not reach its node ids under pytest 9, measured: modules were split.)"""
+    once; the orchestration package whole on one, since its modules share one app (tests/orchestration/conftest.py);
+    the longest scopes first (SCOPE_SECONDS). (xdist's own `loadgroup` marks do not reach its node ids under pytest 9,
+    measured: modules were split.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return "tests/orchestration" if path.startswith("tests/orchestration/") else path
+
+        def _assign_work_unit(self, node) -> None:
+            longest = max(self.workqueue, key=lambda scope: SCOPE_SECONDS.get(scope, 0))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 

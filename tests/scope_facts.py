@@ -1,25 +1,33 @@
-"""What the shipped audit records can verify: a fact of the repository and of the machines it was audited on.
+"""What the shipped audit records can verify: a fact of the repository and of the kernel paths it was audited on.
 
-An audit refuses to record where its control never varies (stages/audit/record.py). On the avx2 path the default
-LLM's control never varies at its one thread (0 of 104 kernels-off runs differed from solo, on an AVX2 and on an
-AVX-512 machine); its record rests on the control at two threads, where it varies, the kernels-on bits being equal at
-both (`omniserve audit --stage llm --model default --torch-threads 1 --control-threads 2 --record
-docs/evidence/scope`). A change to the kernels' source makes that record stale: tests that need the default LLM
-verified then say so and skip until it is made again.
+Records name the kernel path and ATen's level they were made on (stages/scope.py `hardware`); the shipped ones cover
+the default models on every x86-64 path (avx2, generic, avx512: `audited` in each says which machine made it). An
+audit refuses to record where its control never varies (stages/audit/record.py). On the avx2 path the default LLM's
+control never varies at its one thread (0 of 104 runs, on an AVX2 and an AVX-512 machine); that record rests on the
+control at two threads, where it varies, the kernels-on bits being equal at both (on generic and avx512 it varies at
+one thread). The commands, per path (`OMNISERVE_CPU_ISA=<path>` in front for another path):
+
+    omniserve audit --stage diffusion --model default --torch-threads 1 --record docs/evidence/scope
+    omniserve audit --stage llm --model default --torch-threads 1 --control-threads 2 --record docs/evidence/scope
+
+A change to the kernels' source makes the records stale, and a path nobody audited has none: tests that need a
+default stage verified then say so and skip until one is made.
 """
 
 from __future__ import annotations
 
 
-def llm_record_gap() -> str | None:
-    """Why no shipped record can verify the default LLM stage (None: one covers its model with these kernels)."""
+def record_gap(stage: str) -> str | None:
+    """Why no shipped record can verify `stage`'s default model on this process's kernel path (None: one covers it)."""
     from contracts.scope import SHIPPED_RECORDS, load_records
     from stages.embedded import DEFAULT_MODELS
-    from stages.scope import kernels_digest
+    from stages.scope import hardware, kernels_digest
 
-    kernels = kernels_digest()
-    if any(r.valid and r.configuration.stage == "llm" and r.configuration.model == DEFAULT_MODELS["llm"]
-           and r.configuration.kernels == kernels for r in load_records([SHIPPED_RECORDS])):
+    kernels, mine = kernels_digest(), hardware("cpu")
+    if any(r.valid and r.configuration.stage == stage and r.configuration.model == DEFAULT_MODELS[stage]
+           and r.configuration.kernels == kernels and r.configuration.hardware == mine
+           for r in load_records([SHIPPED_RECORDS])):
         return None
-    return (f"no shipped audit record covers the default LLM with kernels {kernels} (see tests/scope_facts.py for the "
-            "command that makes one); the LLM stage is unverified until one is made")
+    return (f"no shipped audit record covers the default {stage} stage with kernels {kernels} on {', '.join(mine)} "
+            "(tests/scope_facts.py has the command that makes one); the stage is unverified until one is made")
+

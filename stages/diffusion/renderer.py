@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import io
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from contracts.config import DiffusionDefaults, DiffusionStageConfig
@@ -70,6 +71,44 @@ def encode_png(image, record: ImageRecord | None = None) -> bytes:
     return buffer.getvalue()
 
 
+class ModelDirectoryError(ValueError):
+    """The configured diffusion model is a local path that is not a diffusers model directory this diffusers loads."""
+
+
+def check_model_directory(model: str) -> dict[str, Any]:
+    """A local `model` must be what `save_pretrained` writes: a model_index.json naming a pipeline class diffusers has;
+    returns that index ({} for a hub id, left to diffusers). Raises ModelDirectoryError naming what was found instead."""
+    import json
+
+    import diffusers
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        if model.startswith(("/", ".", "~")):
+            raise ModelDirectoryError(f"diffusion model directory {model!r} does not exist")
+        return {}
+    index = path / "model_index.json"
+    if not index.is_file():
+        found = sorted(entry.name for entry in path.iterdir())[:8] if path.is_dir() else ["a file, not a directory"]
+        raise ModelDirectoryError(
+            f"diffusion model {model!r} is not a diffusers model directory: it has no model_index.json "
+            f"(found: {', '.join(found) or 'nothing'}); point it at a directory written by save_pretrained"
+        )
+    try:
+        components = json.loads(index.read_text())
+        pipeline = components.get("_class_name")
+    except (ValueError, AttributeError) as err:
+        raise ModelDirectoryError(
+            f"diffusion model {model!r}: its model_index.json is not a JSON object ({err})"
+        ) from err
+    if not isinstance(pipeline, str) or not isinstance(getattr(diffusers, pipeline, None), type):
+        raise ModelDirectoryError(
+            f"diffusion model {model!r}: its model_index.json names the pipeline class {pipeline!r}, which diffusers "
+            f"{diffusers.__version__} does not have"
+        )
+    return components
+
+
 def load_pipeline(model: str, *, device: str, dtype: str):
     """An embedded tiny pipeline (built locally) or a diffusers checkpoint, on `device`, progress bars off."""
     import torch
@@ -81,7 +120,9 @@ def load_pipeline(model: str, *, device: str, dtype: str):
     else:
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype))
+        # Components saved as absent ([null, null], e.g. SD3 without T5) must be said absent again at load.
+        absent = {name: None for name, entry in check_model_directory(model).items() if entry == [None, None]}
+        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype), **absent)
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -124,11 +165,21 @@ class DiffusionRenderer:
         self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters
         self.defaults = self._defaults(config.defaults)
         self.family = family_for(self.pipe)  # None: the step engine does not know this pipeline
+        if self.family is not None:
+            self.size_multiple *= self.family.latent_packing  # FLUX packs 2x2 latent pixels into one token
+        self.accepts_true_cfg = "true_cfg_scale" in inspect.signature(self.pipe.__call__).parameters
 
     def _defaults(self, given: DiffusionDefaults) -> dict:
         """The model's own defaults (the embedded ones are small), overridden by the configured ones."""
         embedded = self.model in EMBEDDED_MODELS
-        size = 64 if embedded else self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        # The pipeline's own default size: its denoiser's sample size in latents (SD 1.x pipelines keep no attribute).
+        denoiser = getattr(self.pipe, "unet", None) or getattr(self.pipe, "transformer", None)
+        latent_side = (
+            getattr(self.pipe, "default_sample_size", None)
+            or getattr(getattr(denoiser, "config", None), "sample_size", None)
+            or 64  # neither: 512 pixels at the usual 8x VAE
+        )
+        size = 64 if embedded else latent_side * self.pipe.vae_scale_factor
         defaults = {"num_inference_steps": 8 if embedded else 28, "guidance_scale": 5.0, "height": size, "width": size}
         return {**defaults, **given.model_dump(exclude_none=True)}
 
@@ -172,7 +223,15 @@ class DiffusionRenderer:
                 f"generator_device {params.generator_device!r} is not available here", param="generator_device"
             )
         if params.latents is not None:
+            if self.family is not None and not self.family.takes_latents:
+                raise InvalidRequestError(f"{self.model} does not take initial latents", param="latents")
             self._latents_tensor(params)  # shape check at admission, not inside a batch
+        if params.true_cfg_scale is not None and not self.accepts_true_cfg:
+            raise InvalidRequestError(
+                f"true_cfg_scale applies to pipelines with true classifier-free guidance (FLUX), not {self.model}",
+                param="true_cfg_scale",
+                code="unsupported_value",
+            )
 
     def _latent_shape(self, params: DiffusionSamplingParams) -> tuple[int, ...]:
         denoiser = getattr(self.pipe, "unet", None) or self.pipe.transformer
@@ -226,6 +285,8 @@ class DiffusionRenderer:
             kwargs["negative_prompt"] = [job.params.negative_prompt for job in jobs]
         if key.sigmas is not None:
             kwargs["sigmas"] = list(key.sigmas)
+        if key.true_cfg_scale is not None:
+            kwargs["true_cfg_scale"] = key.true_cfg_scale
         if key.has_latents:
             dtype = next(self.pipe.components[c] for c in ("unet", "transformer") if c in self.pipe.components).dtype
             kwargs["latents"] = torch.stack([self._latents_tensor(job.params) for job in jobs]).to(self.device, dtype)

@@ -43,7 +43,7 @@ __all__ = [
 class EmbeddedModel:
     id: str
     stage: Literal["llm", "diffusion"]
-    recipe: str  # diffusion: "unet" | "dit" | "shapes"; LLM: a TinyLlamaSpec name
+    recipe: str  # diffusion: "unet" | "dit" | "sdxl" | "flux" | "shapes"; LLM: a TinyLlamaSpec name
     default: bool = False  # the stage's model when its config says `model: null`
     # Trained weights (committed, `stages.embedded.shapes_training`) rather than random ones built from a seed.
     trained: bool = False
@@ -55,6 +55,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         EmbeddedModel("omniserve/tiny-shapes-sd", "diffusion", "shapes", default=True, trained=True),
         EmbeddedModel("omniserve/tiny-sd-unet", "diffusion", "unet"),
         EmbeddedModel("omniserve/tiny-sd3-dit", "diffusion", "dit"),
+        EmbeddedModel("omniserve/tiny-sdxl-unet", "diffusion", "sdxl"),
+        EmbeddedModel("omniserve/tiny-flux-dit", "diffusion", "flux"),
         EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama", default=True),
         EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),
     )

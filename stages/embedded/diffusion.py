@@ -1,9 +1,14 @@
 """Tiny diffusion pipelines: real diffusers classes and configs, small random weights, no download.
 
-Two kinds, both real architectures a serving stage meets in production:
+Three kinds, each a real architecture a serving stage meets in production:
   "unet": StableDiffusionPipeline   (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, EulerDiscreteScheduler)
   "dit":  StableDiffusion3Pipeline  (SD3Transformer2DModel, AutoencoderKL with 16 latent channels,
                                      two CLIPTextModelWithProjection, no T5, FlowMatchEulerDiscreteScheduler)
+  "sdxl": StableDiffusionXLPipeline (UNet2DConditionModel with SDXL's "text_time" added conditioning, AutoencoderKL,
+                                     CLIPTextModel + CLIPTextModelWithProjection, EulerDiscreteScheduler)
+  "flux": FluxPipeline              (FluxTransformer2DModel with the guidance embedding, AutoencoderKL with 4 latent
+                                     channels packed 2x2, CLIPTextModel + a T5 encoder with a byte-level tokenizer,
+                                     FlowMatchEulerDiscreteScheduler)
 Shapes follow diffusers' own fast-test dummy components, except that both VAEs have four levels and so
 downsample 8x like the real ones: a 256x256 image stays cheap (32x32 latents), and any height/width that
 is a multiple of 16 (VAE 8x times SD3's patch 2) works for both kinds.
@@ -30,20 +35,31 @@ from diffusers import (
     AutoencoderKL,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
 
 # From its module, not the package: to a type checker the package's names are torch-less placeholders.
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from safetensors import safe_open
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
+)
 
 from stages.embedded import EMBEDDED_MODELS, build_cached, cache_root
 
-#: Recipe ("unet" | "dit") -> model id of the random-weight pipelines built here, from the registry.
+#: Recipe ("unet" | "dit" | "sdxl" | "flux") -> model id of the random-weight pipelines built here, from the registry.
 MODEL_IDS = {m.recipe: m.id for m in EMBEDDED_MODELS.values() if m.stage == "diffusion" and not m.trained}
 KINDS = tuple(MODEL_IDS)
 #: The trained default's recipe: not built here but committed, made by `scripts/train_shapes.py`.
@@ -59,7 +75,13 @@ MAX_PROMPT_TOKENS = 77
 # Seeding uses the process-wide RNG: one build at a time per process, whatever the threads.
 _BUILD_LOCK = threading.Lock()
 # from_pretrained rejects SD3's saved [null, null] T5 entries unless the absence is stated again at load.
-_ABSENT_COMPONENTS = {"unet": {}, "dit": {"text_encoder_3": None, "tokenizer_3": None}, TRAINED_KIND: {}}
+_ABSENT_COMPONENTS = {
+    "unet": {},
+    "dit": {"text_encoder_3": None, "tokenizer_3": None},
+    "sdxl": {},
+    "flux": {},
+    TRAINED_KIND: {},
+}
 
 
 def tiny_pipeline_path(kind: str) -> Path:
@@ -101,7 +123,13 @@ def _build(kind: str) -> DiffusionPipeline:
     # fork_rng: seeding for the build must not move the caller's global RNG.
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         # The placeholders' types again: what is built is a DiffusionPipeline.
-        return cast(DiffusionPipeline, _build_unet_pipeline() if kind == "unet" else _build_dit_pipeline())
+        builders = {
+            "unet": _build_unet_pipeline,
+            "dit": _build_dit_pipeline,
+            "sdxl": _build_sdxl_pipeline,
+            "flux": _build_flux_pipeline,
+        }
+        return cast(DiffusionPipeline, builders[kind]())
 
 
 def _seeded(component_index: int) -> None:
@@ -184,6 +212,128 @@ def _build_dit_pipeline() -> StableDiffusion3Pipeline:
         tokenizer_2=_byte_level_clip_tokenizer(),
         text_encoder_3=None,
         tokenizer_3=None,
+    )
+
+
+def _build_sdxl_pipeline() -> StableDiffusionXLPipeline:
+    """diffusers' own SDXL fast-test components (tests/pipelines/stable_diffusion_xl), with this module's VAE and
+    tokenizers: the UNet takes both encoders' hidden states side by side (cross-attention 2 x 32) and, added to its
+    time embedding, the second encoder's pooled projection and the six size/crop ids (6 x 8 + 32 = 80)."""
+    clip_width, clip_projection, time_ids_width = 32, 32, 8
+    _seeded(0)
+    unet = UNet2DConditionModel(
+        sample_size=8,  # latent side of the default 64x64 image
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=time_ids_width,
+        transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=6 * time_ids_width + clip_projection,
+        cross_attention_dim=2 * clip_width,
+        norm_num_groups=8,
+    )
+    _seeded(1)
+    # SDXL's VAE scale; no forced float32 upcast (the tiny VAE is exact enough in bfloat16, and an upcast would
+    # change the shared VAE's dtype while an edit is prepared).
+    vae = _tiny_vae(latent_channels=4, scaling_factor=0.13025, force_upcast=False)
+    _seeded(2)
+    text_encoder = CLIPTextModel(_clip_config())
+    _seeded(3)
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(projection_dim=clip_projection))
+    # SDXL's own scheduler settings.
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    return StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=_byte_level_clip_tokenizer(),
+        tokenizer_2=_byte_level_clip_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
+        force_zeros_for_empty_prompt=True,  # SDXL's default: no negative prompt means zero negative embeddings
+        add_watermarker=False,
+    )
+
+
+def _build_flux_pipeline() -> FluxPipeline:
+    """diffusers' FLUX fast-test transformer (one double and one single block, 2 heads of 16, RoPE axes 4+6+6) with the
+    guidance embedding of FLUX.1-dev, on a four-level VAE whose 4 latent channels pack 2x2 into 16 per token."""
+    clip_width, t5_width = 32, 32
+    _seeded(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,  # 4 latent channels x 2 x 2 packed
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=t5_width,
+        pooled_projection_dim=clip_width,  # CLIP's pooled output
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+    _seeded(1)
+    vae = _tiny_vae(
+        latent_channels=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    _seeded(2)
+    text_encoder = CLIPTextModel(_clip_config())
+    _seeded(3)
+    t5_tokenizer = _byte_level_t5_tokenizer()
+    text_encoder_2 = T5EncoderModel(
+        T5Config(  # type: ignore[call-arg]  # decoder_start_token_id: a PretrainedConfig keyword the stubs omit
+            vocab_size=len(t5_tokenizer),
+            d_model=t5_width,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            pad_token_id=t5_tokenizer.pad_token_id,
+            eos_token_id=t5_tokenizer.eos_token_id,
+            decoder_start_token_id=t5_tokenizer.pad_token_id,
+        )
+    )
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_byte_level_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+
+
+def _byte_level_t5_tokenizer() -> PreTrainedTokenizerFast:
+    """T5's special tokens (<pad> 0, </s> 1, <unk> 2, and </s> after every text) over byte-level symbols without
+    merges: every UTF-8 byte one token, so any text tokenizes (the real T5's SentencePiece model is a download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    specials = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {**specials, **{symbol: len(specials) + i for i, symbol in enumerate(alphabet)}}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
     )
 
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory):
     out = tmp_path_factory.mktemp("node-loss") / "figures.json"
-    done = subprocess.run([sys.executable, "-m", "tests.reliability.node_loss", "--json", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "tests.reliability.node_loss", "--json", str(out), "--requests", "48"], cwd=ROOT,
                           capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())

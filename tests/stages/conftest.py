@@ -8,15 +8,19 @@ from stages.diffusion.engine import StepEngine
 from stages.embedded import DEFAULT_MODELS, embedded_models
 from stages.kernels import disable_batch_invariant_kernels
 
-UNET, DIT = embedded_models("diffusion")
+UNET, DIT, SDXL, FLUX = embedded_models("diffusion")
 TRAINED = DEFAULT_MODELS["diffusion"]
 
 
-@pytest.fixture(scope="module", params=[(UNET, True), (DIT, True), (TRAINED, True), (UNET, False), (DIT, False)],
-                ids=["unet-on", "dit-on", "trained-on", "unet-control", "dit-control"])
+FAMILIES = {"unet": UNET, "sdxl": SDXL, "dit": DIT, "flux": FLUX}
+
+
+@pytest.fixture(scope="module", params=[*((model, True) for model in FAMILIES.values()), (TRAINED, True),
+                                        *((model, False) for model in FAMILIES.values())],
+                ids=[*(f"{name}-on" for name in FAMILIES), "trained-on", *(f"{name}-control" for name in FAMILIES)])
 def engine(request):
-    """A step engine on each tiny pipeline (random weights, and the trained default), kernels on and off (the
-    control); `engine.invariant` says which."""
+    """A step engine on each tiny pipeline (random weights: SD, SDXL, SD3, FLUX; and the trained default), kernels on and
+    off (the control); `engine.invariant` says which."""
     model, invariant = request.param
     disable_batch_invariant_kernels()
     renderer = DiffusionRenderer(DiffusionStageConfig(model=model, batch_invariant=invariant, torch_threads=1))

@@ -9,12 +9,12 @@ from stages.audit.diffusion import audit_model, batches
 from stages.embedded import embedded_models
 from stages.kernels import current_report
 
-UNET, DIT = embedded_models("diffusion")
+UNET, DIT, SDXL, FLUX = embedded_models("diffusion")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["engine", "pipeline"])
-@pytest.mark.parametrize("model", [UNET, DIT])
+@pytest.mark.parametrize("model", [UNET, DIT, SDXL, FLUX])
 def test_diffusion_audit_kernels_on_bit_identical_and_control_differs(model, path):
     runs, examples = audit_model(
         model, batch_sizes=(1, 2, 5, 8), orderings=("first", "last", "shuffled", "mutated-neighbour"),

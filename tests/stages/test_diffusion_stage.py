@@ -22,7 +22,7 @@ from stages.embedded import embedded_models
 
 pytestmark = pytest.mark.slow
 
-UNET, DIT = embedded_models("diffusion")
+UNET, DIT, SDXL, FLUX = embedded_models("diffusion")
 REQUESTS = [("a red fox in the snow", 42), ("a lighthouse at dusk", 7), ("two cats asleep", 99), ("a bowl of ramen", 1234)]
 STEPS = {"num_inference_steps": 3, "height": 64, "width": 64}
 TIMEOUT_S = 240
@@ -105,6 +105,43 @@ def test_diffusion_control_invariance_off_cobatched_bytes_differ(serve_instance,
         assert max(r.batch_size for r in batched) > 1
         assert not any(r.batch_invariant for r in batched)
         assert any(b.png != a.png for a, b in zip(solo, batched)), "the check could not fail: control shows no variance"
+    finally:
+        serve.delete(name)
+
+
+# --- a family served from a model directory, as a user has one ------------------------------------
+
+
+#: Unlike the target: other step counts, guidance (one without), seeds, a negative prompt (with FLUX's true CFG,
+#: which other pipelines refuse), another size.
+UNLIKE = [{"num_inference_steps": 5}, {"guidance_scale": 1.0}, {"num_inference_steps": 2, "negative_prompt": "dark"},
+          {"height": 128, "width": 128}]
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["on", "control"])
+@pytest.mark.parametrize("kind", ["sdxl", "flux"])
+def test_a_family_from_a_model_directory_cobatched_with_unlike_neighbours_gives_its_solo_bytes(serve_instance, kind,
+                                                                                                batch_invariant):
+    from stages.embedded.diffusion import tiny_pipeline_path
+
+    directory = str(tiny_pipeline_path(kind))  # as save_pretrained wrote it: what a downloaded checkpoint looks like
+    name = f"{kind}-{'on' if batch_invariant else 'control'}"
+    handle = deploy(name, directory, batch_invariant=batch_invariant, max_batch_size=4)
+    unlike = [dict(extra, true_cfg_scale=3.0) if kind == "flux" and "negative_prompt" in extra else extra for extra in UNLIKE]
+    try:
+        described = handle.describe.remote().result(timeout_s=60)
+        assert described.model == directory and described.details["batching"]["mode"] == "step"
+        target = ("a red fox in the snow", 42)
+        alone = generate(handle, *target)
+        streams = [render(handle, job(target[0], {"seed": target[1], **STEPS}))] + [
+            render(handle, job(f"neighbour {i}", {"seed": 100 + i, **STEPS, **extra})) for i, extra in enumerate(unlike)
+        ]
+        together = [image_of(items) for items in streams]
+        assert together[0].batch_size > 1 and together[0].steps_co_batched > 0, "the target shared no forward"
+        if batch_invariant:
+            assert together[0].png == alone.png
+        else:
+            assert together[0].png != alone.png, "the control did not vary: this check could not fail"
     finally:
         serve.delete(name)
 

@@ -518,6 +518,7 @@ print(json.dumps({"isa": native.loaded_isa(), "bits": bits}))
 """
 
 
+@pytest.mark.path_independent
 def test_kernels_every_cpu_path_this_cpu_runs_gives_the_gemm_the_same_bits():
     import json
     import os
@@ -535,6 +536,7 @@ def test_kernels_every_cpu_path_this_cpu_runs_gives_the_gemm_the_same_bits():
 CROSS_COMPILER = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (make test installs it: `make toolchains`)
 
 
+@pytest.mark.path_independent
 def test_kernels_the_generic_path_compiles_for_aarch64(tmp_path):
     import shutil
     import subprocess
@@ -548,6 +550,7 @@ def test_kernels_the_generic_path_compiles_for_aarch64(tmp_path):
     assert output.read_bytes()[:4] == b"\x7fELF" and output.read_bytes()[18] == 0xB7  # e_machine: EM_AARCH64
 
 
+@pytest.mark.path_independent
 def test_kernels_a_path_this_cpu_cannot_run_is_refused_naming_what_it_lacks(monkeypatch):
     # An AVX2-only CPU's flags (this one may run every path): the refusal is a rule on the flags, tested as such.
     monkeypatch.setattr(cpu, "cpu_flags", lambda: {"sse4_2", "avx", "avx2", "fma"})

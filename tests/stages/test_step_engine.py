@@ -84,6 +84,26 @@ def check(engine, equal: bool) -> None:
         assert not equal, "the control did not vary: this check could not fail"
 
 
+def test_a_solo_sample_gives_the_bytes_of_its_own_diffusers_pipeline(engine):
+    """The family is its pipeline's `__call__` cut per step: alone, a sample gives what diffusers gives."""
+    import torch
+
+    if not engine.invariant:
+        pytest.skip("bits against diffusers: checked with the kernels on, as served")
+    requests = [{}, {"negative_prompt": "blurry", "guidance_scale": 7.0}]
+    if "true_cfg_scale" in engine.renderer.pipe.__call__.__code__.co_varnames:
+        requests.append({"negative_prompt": "blurry", "true_cfg_scale": 4.0})  # FLUX's second branch
+    for fields in requests:
+        resolved = params(engine, TARGET[1], **fields)
+        (mine,) = engine.render([Sample(TARGET[0], resolved, on_done=None)])
+        theirs = engine.renderer.pipe(
+            TARGET[0], height=resolved.height, width=resolved.width, num_inference_steps=resolved.num_inference_steps,
+            guidance_scale=resolved.guidance_scale, generator=torch.Generator("cpu").manual_seed(TARGET[1]),
+            output_type="np", **{k: v for k, v in fields.items() if k != "guidance_scale"},
+        ).images[0]
+        assert np.array_equal(mine, theirs), fields
+
+
 @pytest.mark.parametrize("batch", [2, 5, 8])
 def test_a_sample_cobatched_with_unlike_neighbours_gives_its_solo_bytes(engine, batch):
     alone = solo(engine, *TARGET)

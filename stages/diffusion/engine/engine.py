@@ -168,7 +168,7 @@ class StepEngine:
 
     def _decode(self, samples: list[Sample], latents: torch.Tensor) -> list[Any]:
         try:
-            return list(self.family.decode(latents))
+            return list(self.family.decode(latents, samples[0].shape))  # one batch: one shape
         except Exception as exc:
             self._fail(samples, exc)
             return []

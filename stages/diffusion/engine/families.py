@@ -1,7 +1,10 @@
 """The pipeline families the step engine drives, each the denoising loop of its diffusers pipeline, cut per step.
 
     UNetFamily  StableDiffusionPipeline   (UNet2DConditionModel; Euler, Euler ancestral, DPM-Solver++, DDIM)
+    SDXLFamily  StableDiffusionXLPipeline (the UNet with two text encoders, pooled text and size ids added)
     DiTFamily   StableDiffusion3Pipeline  (SD3Transformer2DModel; flow-matching Euler)
+    FluxFamily  FluxPipeline              (FluxTransformer2DModel on packed latents with RoPE ids; flow matching with
+                                           the resolution-dependent shift; distilled guidance, true CFG on request)
 
 Each family does what its pipeline's `__call__` does, in the same order and with the same functions
 (`encode_prompt`, `randn_tensor`, `retrieve_timesteps`, `scale_model_input`, the guidance formula, the VAE
@@ -15,6 +18,7 @@ An image edit is prepared as the family's diffusers img2img pipeline (`edit_pipe
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,8 +31,11 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxImg2ImgPipeline,
+    FluxPipeline,
     StableDiffusion3Img2ImgPipeline,
     StableDiffusionImg2ImgPipeline,
+    StableDiffusionXLImg2ImgPipeline,
 )
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -89,6 +96,11 @@ class Family:
     denoise: Callable[[list[Sample]], list[torch.Tensor]]
     to_vae: Callable[[torch.Tensor], torch.Tensor]
 
+    #: Latent pixels packed into one token per side (FLUX: 2): image sides are multiples of VAE factor x this.
+    latent_packing = 1
+    #: Whether a request may give its initial latents (as (C, h, w), unpacked).
+    takes_latents = True
+
     def __init__(self, pipe):
         self.pipe = pipe
         self.denoiser = getattr(pipe, self.denoiser_name)
@@ -132,17 +144,27 @@ class Family:
         sample.prediction = getattr(output, "pred_original_sample", None)
         sample.step += 1
 
-    def decode(self, latents: torch.Tensor):
-        """Latents (N, C, h, w) -> float images (N, H, W, 3) in [0, 1]."""
-        vae, factor = self.pipe.vae, self.pipe.vae_scale_factor
-        with vae_slicing(vae, latents.shape[-2] * factor, latents.shape[-1] * factor):
-            image = vae.decode(self.to_vae(latents), return_dict=False)[0]
+    def edit_latents(self, stand_in: Any, sample: Sample, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An edit's initial latents: its image encoded and noised to `timestep`, by its img2img pipeline's own code."""
+        return self.edit_pipeline.prepare_latents(
+            stand_in, sample.image, timestep, 1, 1, dtype, self.device, sample.generator
+        )
+
+    def decode(self, latents: torch.Tensor, shape: tuple[int, int]):
+        """Latents of images of `shape` (height, width) -> float images (N, H, W, 3) in [0, 1]."""
+        vae = self.pipe.vae
+        with vae_slicing(vae, *shape):
+            image = vae.decode(self.to_vae(self.unpack(latents, shape)), return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="np", do_denormalize=[True] * image.shape[0])
+
+    def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """The VAE's (N, C, h, w) from the denoiser's latents (packed ones unpacked: FLUX)."""
+        return latents
 
 
 class UNetFamily(Family):
     denoiser_name = "unet"
-    edit_pipeline = StableDiffusionImg2ImgPipeline
+    edit_pipeline: type[Any] = StableDiffusionImg2ImgPipeline
     SCHEDULERS = {
         "euler": EulerDiscreteScheduler,
         "euler_ancestral": EulerAncestralDiscreteScheduler,
@@ -180,6 +202,69 @@ class UNetFamily(Family):
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
         return latents / self.pipe.vae.config.scaling_factor
+
+
+class SDXLFamily(UNetFamily):
+    """StableDiffusionXLPipeline: the UNet loop, with SDXL's added conditioning per sample (its pooled text embedding
+    and its six size ids: original size, crop origin, target size, the request's height and width at (0, 0))."""
+
+    edit_pipeline = StableDiffusionXLImg2ImgPipeline
+
+    @classmethod
+    def serves(cls, pipe) -> bool:
+        unet: Any = getattr(pipe, "unet", None)
+        return type(pipe).__name__ == "StableDiffusionXLPipeline" and unet.config.time_cond_proj_dim is None
+
+    def encode(self, samples: list[Sample]) -> None:
+        negatives = [s.params.negative_prompt for s in samples]
+        cond, uncond, pooled, uncond_pooled = self.pipe.encode_prompt(
+            prompt=[s.prompt for s in samples],
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=True,
+            negative_prompt=[n or "" for n in negatives],
+        )
+        # diffusers' rule for a request without a negative prompt: zero embeddings, not the empty prompt's.
+        zeros = self.pipe.config.force_zeros_for_empty_prompt
+        encoder = self.pipe.text_encoder_2
+        projection = encoder.config.projection_dim if encoder is not None else int(pooled.shape[-1])
+        for i, sample in enumerate(samples):
+            blank = zeros and negatives[i] is None
+            negative = torch.zeros_like(uncond[i : i + 1]) if blank else uncond[i : i + 1]
+            negative_pooled = torch.zeros_like(uncond_pooled[i : i + 1]) if blank else uncond_pooled[i : i + 1]
+            height, width = sample.shape
+            time_ids = self.pipe._get_add_time_ids(
+                (height, width), (0, 0), (height, width), dtype=cond.dtype, text_encoder_projection_dim=projection
+            ).to(self.device)
+            pick = (lambda a, b: torch.cat([a, b])) if sample.cfg else (lambda a, b: b)
+            sample.conditioning = {
+                "encoder_hidden_states": pick(negative, cond[i : i + 1]),
+                "text_embeds": pick(negative_pooled, pooled[i : i + 1]),
+                "time_ids": pick(time_ids, time_ids),
+            }
+
+    def denoise(self, samples: list[Sample]) -> list[torch.Tensor]:
+        inputs = [s.scheduler.scale_model_input(_rows(s, s.latents), s.timestep) for s in samples]
+        timesteps = [s.timestep.expand(x.shape[0]) for s, x in zip(samples, inputs, strict=True)]
+        joined = {k: torch.cat([s.conditioning[k] for s in samples]) for k in samples[0].conditioning}
+        output = self.denoiser(
+            torch.cat(inputs),
+            torch.cat(timesteps),
+            encoder_hidden_states=joined["encoder_hidden_states"],
+            added_cond_kwargs={"text_embeds": joined["text_embeds"], "time_ids": joined["time_ids"]},
+            return_dict=False,
+        )[0]
+        return [_guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
+
+    def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.pipe.vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is None or std is None:
+            return latents / config.scaling_factor
+        channels = latents.shape[1]
+        mean_t = torch.tensor(mean).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+        std_t = torch.tensor(std).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+        return latents * std_t / config.scaling_factor + mean_t
 
 
 class DiTFamily(Family):
@@ -247,7 +332,134 @@ class DiTFamily(Family):
         return latents / self.pipe.vae.config.scaling_factor + self.pipe.vae.config.shift_factor
 
 
-FAMILIES = (UNetFamily, DiTFamily)
+class FluxFamily(Family):
+    """FluxPipeline: latents packed 2x2 into tokens, with their RoPE position ids (image) and zeros (text); sigmas
+    from 1 to 1/steps, shifted by the image's token count; `guidance_scale` embedded (distilled guidance, one row);
+    with a negative prompt and `true_cfg_scale` > 1, a second row on the negative prompt, combined as diffusers does."""
+
+    denoiser_name = "transformer"
+    edit_pipeline = FluxImg2ImgPipeline
+    SCHEDULERS = {"flow_match_euler": FlowMatchEulerDiscreteScheduler}
+    latent_packing = 2
+    takes_latents = False  # FluxPipeline takes them packed; a request's (C, h, w) would be ambiguous
+    #: FluxPipeline's default T5 sequence length: a different one gives other bits.
+    max_sequence_length = 512
+
+    @classmethod
+    def serves(cls, pipe) -> bool:
+        return type(pipe).__name__ == "FluxPipeline"
+
+    @staticmethod
+    def true_cfg(sample: Sample) -> bool:
+        """diffusers' `do_true_cfg`: a negative prompt and a true CFG scale above 1."""
+        return (sample.params.true_cfg_scale or 1.0) > 1.0 and sample.params.negative_prompt is not None
+
+    def _encode(self, prompts: list[str]):
+        return self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
+
+    def encode(self, samples: list[Sample]) -> None:
+        cond, pooled, text_ids = self._encode([s.prompt for s in samples])
+        twice = [s for s in samples if self.true_cfg(s)]
+        negative = self._encode([cast(str, s.params.negative_prompt) for s in twice]) if twice else None
+        for i, sample in enumerate(samples):
+            rows = {"encoder_hidden_states": cond[i : i + 1], "pooled_projections": pooled[i : i + 1]}
+            if negative is not None and sample in twice:
+                j = twice.index(sample)
+                rows = {
+                    "encoder_hidden_states": torch.cat([negative[0][j : j + 1], rows["encoder_hidden_states"]]),
+                    "pooled_projections": torch.cat([negative[1][j : j + 1], rows["pooled_projections"]]),
+                }
+            sample.conditioning = {**rows, "txt_ids": text_ids}
+
+    def timesteps(self, sample: Sample):
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        steps = cast(int, sample.params.num_inference_steps)
+        config = sample.scheduler.config
+        sigmas: Any = sample.params.sigmas or np.linspace(1.0, 1 / steps, steps)  # diffusers' FLUX default
+        if config.get("use_flow_sigmas", False):
+            sigmas = None
+        height, width = sample.shape
+        side = self.pipe.vae_scale_factor * self.latent_packing
+        mu = calculate_shift(
+            (height // side) * (width // side),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return _timesteps(sample.scheduler, steps, self.device, sigmas, mu=mu)
+
+    def initial_latents(self, sample: Sample) -> torch.Tensor:
+        height, width = sample.shape
+        channels = self.denoiser.config.in_channels // 4
+        latents, image_ids = self.pipe.prepare_latents(
+            1, channels, height, width, self.dtype, self.device, sample.generator
+        )
+        sample.conditioning["img_ids"] = image_ids
+        return latents
+
+    def edit_latents(self, stand_in: Any, sample: Sample, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # FluxImg2ImgPipeline.prepare_latents reads more of its pipeline than the VAE and scheduler.
+        stand_in.vae_scale_factor = self.pipe.vae_scale_factor
+        stand_in.latent_channels = self.pipe.vae.config.latent_channels
+        stand_in._prepare_latent_image_ids = FluxPipeline._prepare_latent_image_ids
+        stand_in._pack_latents = FluxPipeline._pack_latents
+        stand_in._encode_vae_image = functools.partial(FluxImg2ImgPipeline._encode_vae_image, stand_in)
+        height, width = sample.shape
+        channels = self.denoiser.config.in_channels // 4
+        latents, image_ids = FluxImg2ImgPipeline.prepare_latents(
+            stand_in, sample.image, timestep, 1, channels, height, width, dtype, self.device, sample.generator
+        )
+        sample.conditioning["img_ids"] = image_ids
+        return latents
+
+    def denoise(self, samples: list[Sample]) -> list[torch.Tensor]:
+        rows = [2 if self.true_cfg(s) else 1 for s in samples]
+        latents = torch.cat([torch.cat([s.latents] * n) for s, n in zip(samples, rows, strict=True)])
+        # diffusers: the timestep in the latents' dtype, then / 1000; the guidance in float32.
+        timestep = torch.cat([s.timestep.expand(n).to(s.latents.dtype) for s, n in zip(samples, rows, strict=True)])
+        guidance = None
+        if self.denoiser.config.guidance_embeds:
+            guidance = torch.cat(
+                [
+                    torch.full([n], cast(float, s.params.guidance_scale), device=self.device, dtype=torch.float32)
+                    for s, n in zip(samples, rows, strict=True)
+                ]
+            )
+        output = self.denoiser(
+            hidden_states=latents,
+            timestep=timestep / 1000,
+            guidance=guidance,
+            pooled_projections=torch.cat([s.conditioning["pooled_projections"] for s in samples]),
+            encoder_hidden_states=torch.cat([s.conditioning["encoder_hidden_states"] for s in samples]),
+            txt_ids=samples[0].conditioning["txt_ids"],  # one shape per call: the same ids for every sample
+            img_ids=samples[0].conditioning["img_ids"],
+            return_dict=False,
+        )[0]
+        predictions = []
+        for sample, prediction in zip(samples, output.split(rows), strict=True):
+            if len(prediction) == 2:
+                negative, positive = prediction.chunk(2)
+                prediction = negative + cast(float, sample.params.true_cfg_scale) * (positive - negative)
+            predictions.append(prediction)
+        return predictions
+
+    def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        return self.pipe._unpack_latents(latents, *shape, self.pipe.vae_scale_factor)
+
+    def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents / self.pipe.vae.config.scaling_factor + self.pipe.vae.config.shift_factor
+
+
+FAMILIES = (UNetFamily, SDXLFamily, DiTFamily, FluxFamily)
 
 
 def family_for(pipe) -> Family | None:

@@ -45,6 +45,4 @@ def prepare_edit(family: Family, sample: Sample) -> None:
     sample.timesteps, _ = pipeline.get_timesteps(stand_in, steps, strength_of(sample.params), family.device)
     dtype = sample.conditioning["encoder_hidden_states"].dtype  # diffusers: the prompt embeddings' dtype
     first = sample.timesteps[:1].repeat(1)
-    sample.latents = pipeline.prepare_latents(
-        stand_in, sample.image, first, 1, 1, dtype, family.device, sample.generator
-    )
+    sample.latents = family.edit_latents(stand_in, sample, first, dtype)
