@@ -152,7 +152,9 @@ def _bench_run(args: argparse.Namespace, command: list[str]):
         from bench import load
 
         load_spec = load.LoadSpec(
-            **_given(args, "rate", "requests", "short_fraction", "short_steps", "long_steps", "size", "seed")
+            **_given(
+                args, "rate", "requests", "short_fraction", "short_steps", "long_steps", "size", "long_size", "seed"
+            )
         )
         return load, load.run_mixed_load(
             load_spec,
@@ -353,7 +355,11 @@ def _bench_parser(commands) -> None:
 def _bench_load_options(parser) -> None:
     served = parser.add_argument_group("--load mixed / distinct-guidance / abandoned (the stage under load)")
     served.add_argument(
-        "--modes", type=_words, default=["step", "request"], help="batching modes (default: step,request)"
+        "--modes",
+        type=_words,
+        default=["step", "request"],
+        help="batching modes (default: step,request; mixed also step-by-shape: the step engine without FLUX's size "
+        "packing)",
     )
     served.add_argument(
         "--requests",
@@ -370,6 +376,7 @@ def _bench_load_options(parser) -> None:
     mixed.add_argument("--short-fraction", type=float, help="share of short requests (default 0.5)")
     mixed.add_argument("--short-steps", type=int, help="default 4")
     mixed.add_argument("--long-steps", type=int, help="default 32")
+    mixed.add_argument("--long-size", type=int, help="the long requests' image side (default: --size)")
     mixed.add_argument("--seed", type=int, help="the schedule's seed (repeat r uses seed + r)")
     memory = parser.add_argument_group("--load distinct-guidance")
     memory.add_argument("--warm-up", type=int, help="requests before the first RSS reading (default 500)")

@@ -128,6 +128,9 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     # "step": samples join and leave between denoising steps (pipelines the step engine knows; others fall back
     # to "request"); "request": whole requests of one key per batch (`batch_wait_timeout_s` applies to it).
     batching: Literal["step", "request"] = "step"
+    # Step batching of a family that packs sizes (FLUX): samples of different image sizes share a forward (padded
+    # tokens, attention per sample); false: one latent shape per forward, as for the other families.
+    pack_sizes: bool = True
     defaults: DiffusionDefaults = Field(default_factory=DiffusionDefaults)
     warm_up: bool = True
     # The health check fails (and Serve replaces the replica) when one step of the step engine, or one whole

@@ -19,25 +19,28 @@ def _version(name: str) -> str | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor()
+            )
+    except OSError:
+        return platform.processor()
+
+
 def environment(command: Sequence[str] | None = None) -> dict:
     """Hardware, versions and command: what a reader needs to reproduce a figure."""
     import torch
 
-    cpu_model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu_model = next(
-                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu_model
-            )
-    except OSError:
-        pass
     try:
         memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1)
     except (ValueError, OSError):
         memory_gib = None
     return {
         "hardware": {
-            "cpu": cpu_model,
+            "cpu": cpu_model(),
             "logical_cpus": os.cpu_count(),
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "torch_threads": torch.get_num_threads(),

@@ -32,7 +32,10 @@ class StepBatching:
     def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
         assert renderer.family is not None  # chosen only for a pipeline the step engine knows
         self.engine = StepEngine(
-            renderer.family, max_batch_size=config.max_batch_size, torch_threads=config.torch_threads
+            renderer.family,
+            max_batch_size=config.max_batch_size,
+            torch_threads=config.torch_threads,
+            pack_sizes=config.pack_sizes,
         )
         self.rendered = rendered  # (job, float image, batch_size, steps_co_batched) -> RenderedImage
 

@@ -109,11 +109,12 @@ def diffusion_column(dtype: str):
         engine.stop()
     if digests["solo"] != digests["co-batched target"]:  # the cases themselves must be invariant to be golden
         raise RuntimeError(f"{dtype}: the co-batched target differs from its solo render; nothing golden here")
-    cpu = " ".join(sorted({"avx2", "fma", "avx512f", "avx512_bf16"} & cpu_flags()))
+    from stages.audit.report import cpu_model
+
+    flags = " ".join(sorted({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"} & cpu_flags()))
+    made = {"command": "omniserve golden --record", "date": datetime.date.today().isoformat(), "cpu_flags": flags}
     return GoldenColumn(
-        configuration=diffusion_configuration(renderer, "step"),
-        digests=digests,
-        made={"command": "omniserve golden --record", "date": datetime.date.today().isoformat(), "cpu_flags": cpu},
+        configuration=diffusion_configuration(renderer, "step"), digests=digests, made={**made, "cpu": cpu_model()}
     )
 
 

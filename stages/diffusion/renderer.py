@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import inspect
 import io
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from contracts.config import DiffusionDefaults, DiffusionStageConfig
+from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.provenance import ImageOrigin, ImageRecord, png_info
 from contracts.sampling import DiffusionSamplingParams, batch_parts
@@ -72,7 +73,36 @@ def encode_png(image, record: ImageRecord | None = None) -> bytes:
 
 
 class ModelDirectoryError(ValueError):
-    """The configured diffusion model is a local path that is not a diffusers model directory this diffusers loads."""
+    """The configured diffusion model is a local path that is not a diffusers model directory this diffusers loads,
+    or its pipeline is not one this stage can serve."""
+
+
+#: What the stage hands every pipeline it serves (`DiffusionRenderer._pipeline_inputs`): a pipeline whose `__call__`
+#: lacks one of these is not a text-to-image pipeline this stage can drive (audio, video, upscalers, ...).
+SERVED_CALL_PARAMETERS = (
+    "prompt",
+    "height",
+    "width",
+    "num_inference_steps",
+    "guidance_scale",
+    "generator",
+    "output_type",
+)
+
+
+def check_serves(pipeline: type, model: str) -> None:
+    """Refuse, at start-up, a pipeline class this stage cannot call, naming the class and what its call lacks."""
+    accepted = inspect.signature(pipeline.__call__).parameters
+    missing = [name for name in SERVED_CALL_PARAMETERS if name not in accepted]
+    if missing:
+        raise ModelDirectoryError(
+            f"diffusion model {model!r} is a {pipeline.__name__}, which this stage cannot serve: its call takes no "
+            f"{', '.join(missing)} (a text-to-image pipeline takes {', '.join(SERVED_CALL_PARAMETERS)})"
+        )
+    if "num_frames" in accepted:  # its output is frames, not images
+        raise ModelDirectoryError(
+            f"diffusion model {model!r} is a {pipeline.__name__}, a video pipeline: this stage serves images"
+        )
 
 
 def check_model_directory(model: str) -> dict[str, Any]:
@@ -106,6 +136,7 @@ def check_model_directory(model: str) -> dict[str, Any]:
             f"diffusion model {model!r}: its model_index.json names the pipeline class {pipeline!r}, which diffusers "
             f"{diffusers.__version__} does not have"
         )
+    check_serves(getattr(diffusers, pipeline), model)  # before any weights load
     return components
 
 
@@ -123,9 +154,36 @@ def load_pipeline(model: str, *, device: str, dtype: str):
         # Components saved as absent ([null, null], e.g. SD3 without T5) must be said absent again at load.
         absent = {name: None for name, entry in check_model_directory(model).items() if entry == [None, None]}
         pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype), **absent)
+        check_serves(type(pipe), model)  # a hub id's class is known once loaded
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def latent_shape(pipe, params: DiffusionSamplingParams) -> tuple[int, ...]:
+    """The (C, h, w) of a request's initial latents, unpacked."""
+    denoiser = getattr(pipe, "unet", None) or pipe.transformer
+    factor = pipe.vae_scale_factor
+    return (denoiser.config.in_channels, cast(int, params.height) // factor, cast(int, params.width) // factor)
+
+
+def model_defaults(pipe, model: str, size_multiple: int, config: DiffusionStageConfig) -> dict:
+    """The model's own defaults (the embedded ones are small), overridden by the configured ones."""
+    embedded = model in EMBEDDED_MODELS
+    # The pipeline's own default size: its denoiser's sample size in latents (SD 1.x pipelines keep no attribute).
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    latent_side = (
+        getattr(pipe, "default_sample_size", None)
+        or getattr(getattr(denoiser, "config", None), "sample_size", None)
+        or 64  # neither: 512 pixels at the usual 8x VAE
+    )
+    size = 64 if embedded else latent_side * pipe.vae_scale_factor
+    if size * size > config.max_pixels:
+        # The model's own size (FLUX, SDXL: 1024) past this server's limit: the largest square within it, so a
+        # request that names no size (and the warm-up) is admitted.
+        size = math.isqrt(config.max_pixels) // size_multiple * size_multiple
+    defaults = {"num_inference_steps": 8 if embedded else 28, "guidance_scale": 5.0, "height": size, "width": size}
+    return {**defaults, **config.defaults.model_dump(exclude_none=True)}
 
 
 class DiffusionRenderer:
@@ -163,25 +221,13 @@ class DiffusionRenderer:
         patch = getattr(getattr(self.pipe, "transformer", None), "config", None)
         self.size_multiple = self.pipe.vae_scale_factor * (getattr(patch, "patch_size", 1) or 1)
         self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters
-        self.defaults = self._defaults(config.defaults)
         self.family = family_for(self.pipe)  # None: the step engine does not know this pipeline
         if self.family is not None:
             self.size_multiple *= self.family.latent_packing  # FLUX packs 2x2 latent pixels into one token
-        self.accepts_true_cfg = "true_cfg_scale" in inspect.signature(self.pipe.__call__).parameters
-
-    def _defaults(self, given: DiffusionDefaults) -> dict:
-        """The model's own defaults (the embedded ones are small), overridden by the configured ones."""
-        embedded = self.model in EMBEDDED_MODELS
-        # The pipeline's own default size: its denoiser's sample size in latents (SD 1.x pipelines keep no attribute).
-        denoiser = getattr(self.pipe, "unet", None) or getattr(self.pipe, "transformer", None)
-        latent_side = (
-            getattr(self.pipe, "default_sample_size", None)
-            or getattr(getattr(denoiser, "config", None), "sample_size", None)
-            or 64  # neither: 512 pixels at the usual 8x VAE
-        )
-        size = 64 if embedded else latent_side * self.pipe.vae_scale_factor
-        defaults = {"num_inference_steps": 8 if embedded else 28, "guidance_scale": 5.0, "height": size, "width": size}
-        return {**defaults, **given.model_dump(exclude_none=True)}
+        self.defaults = model_defaults(self.pipe, self.model, self.size_multiple, config)
+        call = inspect.signature(self.pipe.__call__).parameters
+        self.accepts_true_cfg = "true_cfg_scale" in call
+        self.prompt_and_size_rewrites = [name for name in ("use_resolution_binning", "clean_caption") if name in call]
 
     # --- admission of resolved params: what this model can render -------------------------------------
 
@@ -233,12 +279,6 @@ class DiffusionRenderer:
                 code="unsupported_value",
             )
 
-    def _latent_shape(self, params: DiffusionSamplingParams) -> tuple[int, ...]:
-        denoiser = getattr(self.pipe, "unet", None) or self.pipe.transformer
-        channels = denoiser.config.in_channels
-        factor = self.pipe.vae_scale_factor
-        return (channels, params.height // factor, params.width // factor)
-
     def _latents_tensor(self, params: DiffusionSamplingParams):
         import torch
 
@@ -246,9 +286,9 @@ class DiffusionRenderer:
             latents = torch.tensor(params.latents, dtype=torch.float32)
         except (ValueError, TypeError) as err:
             raise InvalidRequestError(f"latents must be a rectangular nested list: {err}", param="latents") from err
-        if tuple(latents.shape) != self._latent_shape(params):
+        if tuple(latents.shape) != latent_shape(self.pipe, params):
             raise InvalidRequestError(
-                f"latents must have shape {list(self._latent_shape(params))}, got {list(latents.shape)}",
+                f"latents must have shape {list(latent_shape(self.pipe, params))}, got {list(latents.shape)}",
                 param="latents",
             )
         return latents
@@ -287,6 +327,10 @@ class DiffusionRenderer:
             kwargs["sigmas"] = list(key.sigmas)
         if key.true_cfg_scale is not None:
             kwargs["true_cfg_scale"] = key.true_cfg_scale
+        # PixArt and SANA would render at their nearest trained aspect-ratio bin and resize to the requested size, and
+        # rewrite the prompt with whatever caption cleaners happen to be installed: a served image is rendered at the
+        # size, and from the prompt, the request names.
+        kwargs.update({name: False for name in self.prompt_and_size_rewrites})
         if key.has_latents:
             dtype = next(self.pipe.components[c] for c in ("unet", "transformer") if c in self.pipe.components).dtype
             kwargs["latents"] = torch.stack([self._latents_tensor(job.params) for job in jobs]).to(self.device, dtype)

@@ -117,6 +117,13 @@ class DiffusionStage:
             "in_flight": self.in_flight,
             **self.batching.load(),
         }
+        if isinstance(self.batching, StepBatching):
+            batching["packs_sizes"] = self.batching.engine.pack_sizes
+        if config.batching == "step" and self.batching.mode != "step":
+            batching["fallback"] = (
+                f"the step engine has no family for {type(self.renderer.pipe).__name__}: whole requests are batched "
+                "(same size, steps and guidance), no previews"
+            )
         problem = self.problem()
         return StageDescription(
             stage="diffusion",

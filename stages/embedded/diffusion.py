@@ -9,6 +9,9 @@ Three kinds, each a real architecture a serving stage meets in production:
   "flux": FluxPipeline              (FluxTransformer2DModel with the guidance embedding, AutoencoderKL with 4 latent
                                      channels packed 2x2, CLIPTextModel + a T5 encoder with a byte-level tokenizer,
                                      FlowMatchEulerDiscreteScheduler)
+  "pixart": PixArtSigmaPipeline     (PixArtTransformer2DModel with adaLN-single and learned sigma, AutoencoderKL,
+                                     a T5 encoder with a byte-level tokenizer, DPMSolverMultistepScheduler): a
+                                     pipeline the step engine has no family for, served by whole-request batching
 Shapes follow diffusers' own fast-test dummy components, except that both VAEs have four levels and so
 downsample 8x like the real ones: a 256x256 image stays cheap (32x32 latents), and any height/width that
 is a multiple of 16 (VAE 8x times SD3's patch 2) works for both kinds.
@@ -33,10 +36,13 @@ from typing import Any, cast
 import torch
 from diffusers import (
     AutoencoderKL,
+    DPMSolverMultistepScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    PixArtSigmaPipeline,
+    PixArtTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -80,6 +86,7 @@ _ABSENT_COMPONENTS = {
     "dit": {"text_encoder_3": None, "tokenizer_3": None},
     "sdxl": {},
     "flux": {},
+    "pixart": {},
     TRAINED_KIND: {},
 }
 
@@ -128,6 +135,7 @@ def _build(kind: str) -> DiffusionPipeline:
             "dit": _build_dit_pipeline,
             "sdxl": _build_sdxl_pipeline,
             "flux": _build_flux_pipeline,
+            "pixart": _build_pixart_pipeline,
         }
         return cast(DiffusionPipeline, builders[kind]())
 
@@ -296,19 +304,7 @@ def _build_flux_pipeline() -> FluxPipeline:
     text_encoder = CLIPTextModel(_clip_config())
     _seeded(3)
     t5_tokenizer = _byte_level_t5_tokenizer()
-    text_encoder_2 = T5EncoderModel(
-        T5Config(  # type: ignore[call-arg]  # decoder_start_token_id: a PretrainedConfig keyword the stubs omit
-            vocab_size=len(t5_tokenizer),
-            d_model=t5_width,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            pad_token_id=t5_tokenizer.pad_token_id,
-            eos_token_id=t5_tokenizer.eos_token_id,
-            decoder_start_token_id=t5_tokenizer.pad_token_id,
-        )
-    )
+    text_encoder_2 = _tiny_t5(t5_tokenizer, t5_width)
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
@@ -317,6 +313,60 @@ def _build_flux_pipeline() -> FluxPipeline:
         text_encoder_2=text_encoder_2,
         tokenizer_2=t5_tokenizer,
         transformer=transformer,
+    )
+
+
+def _build_pixart_pipeline() -> PixArtSigmaPipeline:
+    """diffusers' PixArt fast-test transformer (2 layers, 3 heads of 8, adaLN-single, learned sigma: 8 output
+    channels for 4 latent ones) on this module's four-level VAE and byte-level T5. The step engine has no family
+    for it: it is the whole-request fallback's model."""
+    t5_width = 32
+    _seeded(0)
+    transformer = PixArtTransformer2DModel(
+        sample_size=8,  # latent side of the default 64x64 image
+        num_layers=2,
+        patch_size=2,
+        attention_head_dim=8,
+        num_attention_heads=3,
+        caption_channels=t5_width,
+        in_channels=4,
+        cross_attention_dim=24,
+        out_channels=8,
+        attention_bias=True,
+        activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000,
+        norm_type="ada_norm_single",
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
+    )
+    _seeded(1)
+    vae = _tiny_vae(latent_channels=4, scaling_factor=0.13025)
+    _seeded(2)
+    tokenizer = _byte_level_t5_tokenizer()
+    text_encoder = _tiny_t5(tokenizer, t5_width)
+    return PixArtSigmaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=DPMSolverMultistepScheduler(),
+    )
+
+
+def _tiny_t5(tokenizer: PreTrainedTokenizerFast, width: int) -> T5EncoderModel:
+    """diffusers' tiny-random-t5 shape (2 layers, 4 heads of 8) over `tokenizer`'s vocabulary."""
+    return T5EncoderModel(
+        T5Config(  # type: ignore[call-arg]  # decoder_start_token_id: a PretrainedConfig keyword the stubs omit
+            vocab_size=len(tokenizer),
+            d_model=width,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
     )
 
 

@@ -60,3 +60,27 @@ def test_a_tiny_mixed_run_writes_json_markdown_and_a_png(tmp_path):
     assert "| mode | short p50 s | short p95 s | long p50 s | long p95 s | images/s |" in table
     assert "| step |" in table and "| request |" in table
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_long_requests_take_their_own_size_when_one_is_given():
+    schedule = poisson_schedule(LoadSpec(requests=200, size=64, long_size=128, seed=2))
+    assert {a.size for a in schedule if a.kind == "short"} == {64} and {a.size for a in schedule if a.kind == "long"} == {128}
+    assert {a.size for a in poisson_schedule(LoadSpec(requests=50, size=96))} == {96}
+
+
+@pytest.mark.slow
+def test_a_mixed_size_run_weighs_flux_size_packing_against_one_shape_per_forward(tmp_path):
+    from cli.main import main
+    from stages.embedded import embedded_models
+
+    flux = embedded_models("diffusion")[3]
+    path = tmp_path / "sizes.json"
+    code = main(["bench", "--load", "mixed", "--model", flux, "--modes", "step,step-by-shape", "--requests", "6",
+                 "--rate", "30", "--short-steps", "1", "--long-steps", "2", "--size", "64", "--long-size", "128",
+                 "--repeats", "2", "--torch-threads", "1", "--json", str(path)])
+    assert code == 0
+    report = json.loads(path.read_text())
+    assert report["stage"]["model"] == flux and report["load"]["long_size"] == 128
+    assert set(report["packing"]) >= {"short_p95_step-by-shape_over_step", "images_per_s_step_over_step-by-shape"}
+    # Packed or not, the same request renders to the same bytes.
+    assert report["bytes"] == {"compared": 12, "differing": 0}

@@ -131,9 +131,11 @@ def test_a_family_from_a_model_directory_cobatched_with_unlike_neighbours_gives_
     try:
         described = handle.describe.remote().result(timeout_s=60)
         assert described.model == directory and described.details["batching"]["mode"] == "step"
+        assert described.details["batching"]["packs_sizes"] == (kind == "flux")  # FLUX: the 128px one shares forwards
+        # 128x128: the control's float differences (~1e-6 in float32) must flip some of the PNG's rounded pixels.
         target = ("a red fox in the snow", 42)
-        alone = generate(handle, *target)
-        streams = [render(handle, job(target[0], {"seed": target[1], **STEPS}))] + [
+        alone = generate(handle, *target, height=128, width=128)
+        streams = [render(handle, job(target[0], {"seed": target[1], **STEPS, "height": 128, "width": 128}))] + [
             render(handle, job(f"neighbour {i}", {"seed": 100 + i, **STEPS, **extra})) for i, extra in enumerate(unlike)
         ]
         together = [image_of(items) for items in streams]
@@ -144,6 +146,30 @@ def test_a_family_from_a_model_directory_cobatched_with_unlike_neighbours_gives_
             assert together[0].png != alone.png, "the control did not vary: this check could not fail"
     finally:
         serve.delete(name)
+
+
+def test_a_pipeline_without_a_family_is_served_from_its_directory_by_whole_requests_and_says_so(serve_instance):
+    """PixArt-Sigma has no step-engine family: the stage batches whole same-key requests through the pipeline, says
+    so in its description (what /health shows), streams the image alone, and a co-batched request keeps its solo
+    bytes with invariance on (the control, kernels off, is test_model_directory's: its float images differ)."""
+    from stages.embedded.diffusion import tiny_pipeline_path
+
+    directory = str(tiny_pipeline_path("pixart"))
+    handle = deploy("pixart-fallback", directory, max_batch_size=4, batch_wait_timeout_s=1.0)
+    try:
+        batching = handle.describe.remote().result(timeout_s=60).details["batching"]
+        assert batching["mode"] == "request" and "no family for PixArtSigmaPipeline" in batching["fallback"]
+        alone = generate(handle, "a red fox in the snow", 42)
+        streams = [render(handle, job("a red fox in the snow", {"seed": 42, **STEPS}, partial_images=2))] + [
+            render(handle, job(f"neighbour {i}", {"seed": 100 + i, **STEPS})) for i in range(3)
+        ]
+        items = [list(stream) for stream in streams]
+        assert len(items[0]) == 1, "whole-request batching has no step to preview: the image alone"
+        together = items[0][-1]
+        assert together.batch_size > 1, "the target shared no batch"
+        assert together.png == alone.png
+    finally:
+        serve.delete("pixart-fallback")
 
 
 KEY_GROUPS = {

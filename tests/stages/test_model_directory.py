@@ -61,3 +61,60 @@ def test_true_cfg_scale_is_for_flux_only_and_flux_takes_no_latents_and_whole_tok
     with pytest.raises(InvalidRequestError, match="multiple of 16") as refused:  # 8x VAE, 2x2 packing
         flux.resolve(DiffusionSamplingParams(seed=1, height=72, width=64))
     assert refused.value.param == "height"
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "named"),
+    [
+        ("StableDiffusionLatentUpscalePipeline", "its call takes no height, width"),  # an upscaler
+        ("DDPMPipeline", "its call takes no prompt, height, width, guidance_scale"),  # unconditional
+        ("WanPipeline", "a video pipeline"),
+    ],
+)
+def test_a_pipeline_this_stage_cannot_call_fails_at_start_up_before_its_weights_load(tmp_path, pipeline, named):
+    # Only the index: the refusal comes from the class, before any component is looked for.
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    with pytest.raises(ModelDirectoryError, match=f"is a {pipeline}, .*{named}"):
+        start(str(tmp_path))
+
+
+def test_a_pipeline_without_a_family_serves_whole_requests_at_its_requested_size_and_prompt_invariantly():
+    """PixArt-Sigma: no step-engine family, so whole-request batches through the pipeline itself. Its bytes are a
+    function of the request: with the kernels on, a request's float image is the same alone and in a batch of four;
+    the control (kernels off) differs. Rendered at the size asked (no aspect-ratio binning) from the prompt given
+    (no caption cleaning)."""
+    import numpy as np
+
+    from contracts.sampling import DiffusionSamplingParams
+    from stages.diffusion.renderer import Job
+
+    from stages.kernels import disable_batch_invariant_kernels
+
+    images = {}
+    for batch_invariant in (False, True):
+        disable_batch_invariant_kernels()  # the kernels are process-wide: the control runs on stock ones
+        renderer = DiffusionRenderer(
+            DiffusionStageConfig(model=str(tiny_pipeline_path("pixart")), batch_invariant=batch_invariant, torch_threads=1)
+        )
+        assert renderer.family is None and renderer.prompt_and_size_rewrites == ["use_resolution_binning", "clean_caption"]
+        jobs = [
+            Job(f"a red fox number {i} in the snow", renderer.resolve(DiffusionSamplingParams(seed=i, num_inference_steps=3, width=128)))
+            for i in range(4)
+        ]
+        images[batch_invariant] = (renderer.render(jobs[:1])[0], renderer.render(jobs)[0])
+    disable_batch_invariant_kernels()
+    alone, batched = images[True]
+    assert alone.shape == (64, 128, 3)  # the size asked, not a trained bin's
+    assert np.array_equal(alone, batched)
+    assert not np.array_equal(*images[False]), "the control did not vary: this check could not fail"
+
+
+def test_a_models_own_default_size_past_the_servers_limit_becomes_the_largest_square_within_it():
+    """FluxPipeline's own default is 1024x1024: past the default limit (512 x 512 pixels), so a request naming no size,
+    and the replica's warm-up, would be refused."""
+    flux = str(tiny_pipeline_path("flux"))
+    assert (start(flux).defaults["height"], start(flux).defaults["width"]) == (512, 512)
+    roomy = DiffusionRenderer(DiffusionStageConfig(model=flux, batch_invariant=False, torch_threads=1, max_pixels=1024 * 1024))
+    assert roomy.defaults["height"] == 1024
+    tight = DiffusionRenderer(DiffusionStageConfig(model=flux, batch_invariant=False, torch_threads=1, max_pixels=300 * 300))
+    assert tight.defaults["height"] == 288  # a multiple of 16 (VAE 8 x FLUX's 2x2 packing), within the limit

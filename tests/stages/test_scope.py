@@ -260,6 +260,10 @@ def test_a_replica_is_verified_by_its_paths_record_and_its_own_self_check(path_r
 
 def test_a_replica_whose_self_check_differs_is_unverified_and_names_what_differed(monkeypatch):
     from contracts.scope import GoldenColumn
+    from tests.scope_facts import golden_gap
+
+    if gap := golden_gap():  # then every output differs here, not the one altered below
+        pytest.skip(gap)
 
     columns = contracts.scope.load_golden()
     altered = [GoldenColumn.model_validate({**c.model_dump(), "digests": {**c.digests, "edit": "0" * 64}}) for c in columns]

@@ -176,6 +176,42 @@ def test_a_short_request_sent_while_a_long_batch_runs_finishes_first_and_shares_
     assert collector.finished_order[0] == "short" and short.largest_batch > 1
 
 
+def test_a_short_request_of_another_size_sent_while_long_ones_run_finishes_first_with_its_solo_bytes(engine):
+    """FLUX packs sizes: the short one shares the long ones' forwards. The others call their denoiser per latent
+    shape: the engine picks by fewest remaining steps across shapes, so the short one's forwards run between theirs."""
+    if not engine.invariant:
+        pytest.skip("scheduling across sizes, checked with the kernels on (the bits' control: the packing test below)")
+    expected = solo(engine, "short", 99, num_inference_steps=4)
+    collector = Collector(engine)
+    longs = [f"long {i}" for i in range(4)]
+    for i, name in enumerate(longs):
+        collector.submit(name, sample(engine, name, i, num_inference_steps=32, height=128, width=128))
+    after_forwards(engine, 2)
+    short = collector.submit("short", sample(engine, "short", 99, num_inference_steps=4))
+    (image, *_) = collector.wait(["short", *longs])
+    assert collector.finished_order[0] == "short"
+    assert np.array_equal(image, expected)
+    assert short.largest_batch == (5 if engine.renderer.family.packs_sizes else 1)
+
+
+def test_samples_of_different_sizes_packed_into_one_call_give_their_solo_bytes(engine):
+    """FLUX: token sequences padded to the longest, attention per sample (stages/diffusion/engine/packing.py)."""
+    if not engine.renderer.family.packs_sizes:
+        pytest.skip(f"{type(engine.renderer.family).__name__} calls its denoiser per latent shape")
+    target = sample(engine, *TARGET)
+    expected = solo(engine, *TARGET)
+    others = [  # other sizes (wider, taller, smaller, larger), steps, true CFG
+        sample(engine, "wide", 1, height=64, width=96, negative_prompt="dark", true_cfg_scale=3.0),
+        sample(engine, "tall", 2, height=128, width=64, num_inference_steps=6),
+        sample(engine, "small", 3, height=32, width=48),
+        sample(engine, "large", 4, height=128, width=128, num_inference_steps=3),
+    ]
+    wide_alone = solo(engine, "wide", 1, height=64, width=96, negative_prompt="dark", true_cfg_scale=3.0)
+    images = engine.render([target, *others])
+    assert target.largest_batch == 5 and images[4].shape == (128, 128, 3) and images[3].shape == (32, 48, 3)
+    check(engine, np.array_equal(images[0], expected) and np.array_equal(images[1], wide_alone))
+
+
 def test_the_engine_keeps_nothing_per_request_key(engine):
     if not engine.invariant:
         pytest.skip("bookkeeping, not bits: checked once, with the kernels on")

@@ -1,8 +1,8 @@
 """The step engine: continuous batching of denoising steps, one compute thread per replica.
 
 Between two steps, finished samples leave and waiting ones join; each step calls the denoiser once for up to
-`max_batch_size` samples of one latent shape, whatever their timesteps, step counts, guidance scales,
-negative prompts and schedulers. A cancelled sample leaves at the next step boundary (its text encoding and
+`max_batch_size` samples of one latent shape (of any shapes, for a family that packs sizes: FLUX), whatever their
+timesteps, step counts, guidance scales, negative prompts and schedulers. A cancelled sample leaves at the next step boundary (its text encoding and
 decode are skipped if they have not happened). Nothing is kept per request key: the engine holds the samples
 in flight and nothing else.
 
@@ -30,8 +30,9 @@ logger = logging.getLogger("ray.serve")
 
 
 class StepEngine:
-    def __init__(self, family: Family, *, max_batch_size: int, torch_threads: int | None = None):
+    def __init__(self, family: Family, *, max_batch_size: int, torch_threads: int | None = None, pack_sizes=True):
         self.family, self.max_batch_size, self.torch_threads = family, max_batch_size, torch_threads
+        self.pack_sizes = pack_sizes and family.packs_sizes  # samples of different sizes in one forward (bool)
         self._waiting: deque[Sample] = deque()
         self._active: list[Sample] = []
         self._wake = threading.Condition()
@@ -131,7 +132,7 @@ class StepEngine:
             return []
         ready.sort(key=lambda s: (s.remaining - s.skipped, s.arrival))
         shape = ready[0].shape
-        batch = [s for s in ready if s.shape == shape][: self.max_batch_size]
+        batch = [s for s in ready if self.pack_sizes or s.shape == shape][: self.max_batch_size]
         for sample in ready:
             if sample not in batch:
                 sample.skipped += 1
@@ -159,16 +160,16 @@ class StepEngine:
         """Decode each sample's current estimate of its final latents (its state is not touched)."""
         if samples:
             estimates = [s.prediction if s.prediction is not None else s.latents for s in samples]
-            for sample, image in zip(samples, self._decode(samples, torch.cat(estimates)), strict=False):
+            for sample, image in zip(samples, self._decode(samples, estimates), strict=False):
                 _show(sample, image)
 
     def _finish(self, samples: list[Sample]) -> None:
         if samples:
-            _tell_each(samples, self._decode(samples, torch.cat([s.latents for s in samples])))
+            _tell_each(samples, self._decode(samples, [s.latents for s in samples]))
 
-    def _decode(self, samples: list[Sample], latents: torch.Tensor) -> list[Any]:
+    def _decode(self, samples: list[Sample], latents: list[torch.Tensor]) -> list[Any]:
         try:
-            return list(self.family.decode(latents, samples[0].shape))  # one batch: one shape
+            return _decoded_by_shape(self.family, samples, latents)
         except Exception as exc:
             self._fail(samples, exc)
             return []
@@ -178,6 +179,15 @@ class StepEngine:
         self._active = [s for s in self._active if s not in samples]
         for sample in samples:
             _tell(sample, exc)
+
+
+def _decoded_by_shape(family: Family, samples: list[Sample], latents: list[torch.Tensor]) -> list[Any]:
+    """Each sample's float image, decoded with the others of its shape (a packed batch holds several)."""
+    images: dict[int, Any] = {}
+    for shape in dict.fromkeys(s.shape for s in samples):
+        same = [i for i, s in enumerate(samples) if s.shape == shape]
+        images.update(zip(same, family.decode(torch.cat([latents[i] for i in same]), shape), strict=True))
+    return [images[i] for i in range(len(samples))]
 
 
 def _kept(results: dict[int, Any], done: threading.Semaphore, index: int, result: Any) -> None:

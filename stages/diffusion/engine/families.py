@@ -40,6 +40,7 @@ from diffusers import (
 from diffusers.utils.torch_utils import randn_tensor
 
 from .img2img import prepare_edit
+from .packing import PackedFluxAttnProcessor, PackedRows, padded
 from .sample import Sample, seeded_generator
 
 #: From this many pixels per image the VAE decodes a batch one image at a time: a batched decode's
@@ -100,6 +101,9 @@ class Family:
     latent_packing = 1
     #: Whether a request may give its initial latents (as (C, h, w), unpacked).
     takes_latents = True
+    #: Whether samples of different image sizes may share a denoiser call (FLUX: token sequences padded, attention
+    #: per sample, `stages.diffusion.engine.packing`); else a call holds one latent shape.
+    packs_sizes = False
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -342,8 +346,14 @@ class FluxFamily(Family):
     SCHEDULERS = {"flow_match_euler": FlowMatchEulerDiscreteScheduler}
     latent_packing = 2
     takes_latents = False  # FluxPipeline takes them packed; a request's (C, h, w) would be ambiguous
+    packs_sizes = True
     #: FluxPipeline's default T5 sequence length: a different one gives other bits.
     max_sequence_length = 512
+
+    def __init__(self, pipe):
+        super().__init__(pipe)
+        # diffusers' processor when a call holds one size; per-sample attention when it holds several.
+        self.denoiser.set_attn_processor(PackedFluxAttnProcessor())
 
     @classmethod
     def serves(cls, pipe) -> bool:
@@ -423,7 +433,9 @@ class FluxFamily(Family):
 
     def denoise(self, samples: list[Sample]) -> list[torch.Tensor]:
         rows = [2 if self.true_cfg(s) else 1 for s in samples]
-        latents = torch.cat([torch.cat([s.latents] * n) for s, n in zip(samples, rows, strict=True)])
+        tokens = [s.latents.shape[1] for s in samples]
+        longest = max(tokens)
+        latents = torch.cat([padded(s.latents, longest) for s, n in zip(samples, rows, strict=True) for _ in range(n)])
         # diffusers: the timestep in the latents' dtype, then / 1000; the guidance in float32.
         timestep = torch.cat([s.timestep.expand(n).to(s.latents.dtype) for s, n in zip(samples, rows, strict=True)])
         guidance = None
@@ -434,18 +446,30 @@ class FluxFamily(Family):
                     for s, n in zip(samples, rows, strict=True)
                 ]
             )
+        text_ids = samples[0].conditioning["txt_ids"]  # T5 padded to max_sequence_length: one text length
+        packed = None
+        if len(set(tokens)) > 1:
+            # The RoPE table each sample's solo call computes (FluxTransformer2DModel.forward), one per row.
+            tables = [self.denoiser.pos_embed(torch.cat((text_ids, s.conditioning["img_ids"]))) for s in samples]
+            packed = PackedRows(
+                lengths=tuple(len(text_ids) + t for t, n in zip(tokens, rows, strict=True) for _ in range(n)),
+                rotary=tuple(table for table, n in zip(tables, rows, strict=True) for _ in range(n)),
+            )
         output = self.denoiser(
             hidden_states=latents,
             timestep=timestep / 1000,
             guidance=guidance,
             pooled_projections=torch.cat([s.conditioning["pooled_projections"] for s in samples]),
             encoder_hidden_states=torch.cat([s.conditioning["encoder_hidden_states"] for s in samples]),
-            txt_ids=samples[0].conditioning["txt_ids"],  # one shape per call: the same ids for every sample
-            img_ids=samples[0].conditioning["img_ids"],
+            txt_ids=text_ids,
+            # Packed: the longest sample's ids (their RoPE table is unused: each row has its own).
+            img_ids=samples[tokens.index(longest)].conditioning["img_ids"],
+            joint_attention_kwargs={"packed": packed} if packed else None,
             return_dict=False,
         )[0]
         predictions = []
-        for sample, prediction in zip(samples, output.split(rows), strict=True):
+        for sample, t, prediction in zip(samples, tokens, output.split(rows), strict=True):
+            prediction = prediction[:, :t]  # its own tokens: the padding dropped
             if len(prediction) == 2:
                 negative, positive = prediction.chunk(2)
                 prediction = negative + cast(float, sample.params.true_cfg_scale) * (positive - negative)

@@ -1,0 +1,92 @@
+"""Images of different sizes in one FLUX denoiser call: token sequences padded to the longest, attention per sample.
+
+A FLUX transformer mixes tokens only in attention; every other layer (the embedders, the blocks' norms, modulation
+and feed-forwards, the output projection) works token by token, with each sample's own modulation. So samples whose
+image token counts differ can share one call: their tokens are padded with zeros to the longest sequence, every
+token-wise layer runs on the padded batch (with the batch-invariant kernels, a token's row gives the bits it gives
+alone, padding or not), and attention runs once per sample over that sample's own tokens (text, then its image,
+no padding) with its own RoPE table, exactly the call a solo render makes. The padded rows are computed and
+dropped; nothing reads them. xDiT and vLLM-Omni group by resolution instead; the padding costs compute, which
+`omniserve bench --load mixed-sizes` weighs against waiting for a same-size partner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+# From its module: attention_dispatch is where FluxAttnProcessor's own call goes.
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Per row of a padded call: how many of its tokens are real (text + its image) and its RoPE table (cos, sin)."""
+
+    lengths: tuple[int, ...]
+    rotary: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+class PackedFluxAttnProcessor(FluxAttnProcessor):
+    """FluxAttnProcessor, with attention per row over its real tokens when the call is packed (`packed` given);
+    without it, diffusers' own processor, unchanged."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+        packed: PackedRows | None = None,
+    ):
+        if packed is None:
+            # cast: diffusers annotates the encoder states Tensor, with None as their default (single blocks pass none).
+            encoder = cast(torch.Tensor, encoder_hidden_states)
+            return super().__call__(attn, hidden_states, encoder, attention_mask, image_rotary_emb)
+        # FluxAttnProcessor.__call__, line for line, but for the attention call (per row) and the RoPE table (its own).
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
+            encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+        out = torch.zeros_like(query)  # padded rows: zeros, dropped at the end
+        for row, (length, rotary) in enumerate(zip(packed.lengths, packed.rotary, strict=True)):
+            real = slice(row, row + 1), slice(0, length)
+            out[real] = dispatch_attention_fn(
+                _rotated(query[real], rotary),
+                _rotated(key[real], rotary),
+                value[real].contiguous(),  # laid out as a solo call's
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+        hidden_states = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return hidden_states
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+        )
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+        return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
+
+
+def _rotated(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE as FluxAttnProcessor applies it (diffusers annotates the table and the result as other types)."""
+    return cast(torch.Tensor, apply_rotary_emb(x, cast(Any, table), sequence_dim=1))
+
+
+def padded(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, n, C) -> (1, length, C), zeros after the n real tokens."""
+    return torch.nn.functional.pad(tokens, (0, 0, 0, length - tokens.shape[1]))
