@@ -106,6 +106,14 @@ class Verdict(_Data):
 GOLDEN_TABLE = SHIPPED_RECORDS.parent / "golden.json"
 
 
+def cpu_golden_table(cpu: str) -> Path:
+    """Where the columns a CPU model computes live when they differ from the shipped table's (same path, other bits:
+    docs/evidence/golden-by-cpu/<model>.json). Evidence and a regression check for machines of that model
+    (tests/test_golden.py); never what a replica's self-check compares with, since no audit was made on them."""
+    slug = "-".join(part for part in "".join(ch if ch.isalnum() else " " for ch in cpu.lower()).split())
+    return SHIPPED_RECORDS.parent / "golden-by-cpu" / f"{slug or 'unknown'}.json"
+
+
 class GoldenColumn(_Data):
     """What canonical requests give on one configuration (on CPU, one kernel path: any machine held to it must
     give these bits)."""
@@ -161,6 +169,7 @@ def write_golden(column: GoldenColumn, path: Path = GOLDEN_TABLE) -> None:
     """Add `column`, replacing the one of the same configuration."""
     kept = [c for c in load_golden(path) if c.configuration != column.configuration]
     columns = sorted([*kept, column], key=lambda c: json.dumps(c.configuration.model_dump(mode="json"), sort_keys=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps({"columns": [c.model_dump(mode="json") for c in columns]}, indent=1, sort_keys=True) + "\n"
     )

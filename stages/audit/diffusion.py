@@ -4,7 +4,8 @@ For each model, a target request runs solo and co-batched (target first, last, m
 reversed, shuffled, a neighbour's prompt mutated; batch sizes 1 to 8), with kernels off
 (the control) and on, through one of the stage's two paths:
   engine    the step engine that serves (`stages.diffusion.engine`): the neighbours also differ in step count and
-            guidance, so they leave while the target runs on and share its forwards at other timesteps;
+            guidance, so they leave while the target runs on and share its forwards at other timesteps (and, for a
+            family that packs sizes, FLUX, every other one is twice the target's side: the same calls, padded);
   pipeline  the diffusers pipeline itself on a whole-request batch of one key (request-level batching).
 Compared bit for bit: initial latents, final latents and decoded pixels. On a mismatch on the pipeline
 path the audit names the first module whose output for the target diverges (forward hooks comparing
@@ -138,6 +139,8 @@ def render_engine(
             steps = cast(int, params.num_inference_steps)  # resolved params: set
             fields["num_inference_steps"] = max(1, round(steps * variant.pop("steps")))
             fields.update(variant)
+            if renderer.family.packs_sizes and index % 2:  # FLUX: every other neighbour twice the side, same call
+                fields.update(height=2 * cast(int, params.height), width=2 * cast(int, params.width))
         items.append(Item(prompt, params.model_copy(update=fields), on_done=None))
     initial: dict[int, torch.Tensor] = {}
     prepare = renderer.family.prepare
