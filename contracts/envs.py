@@ -201,11 +201,14 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
 
 
 #: What each kernel path limits ATen's, oneDNN's and MKL's own dispatch to, so a machine with wider vectors
-#: computes what a machine of that path computes (each library reads its variable once, at first use). MKL's
-#: conditional numerical reproducibility (MKL_CBWR) fixes its code path across CPUs of one level.
+#: computes what a machine of that path computes (each library reads its variable once, at first use). MKL is held
+#: to its COMPATIBLE code on every path: held to a level (MKL_CBWR=AVX2) it still picks its kernels by CPU model
+#: (measured: an AMD EPYC and an Intel Xeon, both at AVX2, computed different float32 images, through the
+#: attention's and bmm's MKL GEMMs), while COMPATIBLE computes alike on every x86-64 CPU (measured: the generic
+#: path, held so, gave both machines the same images). Cost: docs/performance.md.
 _ISA_LIMITS = {
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_CBWR": "AVX512"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_CBWR": "COMPATIBLE"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE"},
     # Inductor (vLLM compiles a few sampling ops) emits vector code that fails to compile under ATen's default level
     # in torch 2.13 (`at::vec` undeclared: the engine core dies); without vector code it compiles.
     "generic": {

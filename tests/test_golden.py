@@ -3,11 +3,11 @@ path, give the sha256 the table holds for that path (docs/evidence/golden.json, 
 
 A path without a column is skipped, naming the command that makes one (a machine fact, not a failure); a column
 that differs fails, naming the path and every request that differs, when it was made on a CPU of this model. Made on
-another model, the difference is a measured machine fact: the same kernel path does not yet give the same bits on
-every CPU model (issue 21: measured, an Intel Xeon with AMX reproduces 0 of 6 float32 diffusion outputs of the
-columns made on an AMD EPYC, and all of the bfloat16 and LLM ones). Such a machine is then held to its own model's
-column (docs/evidence/golden-by-cpu/, `contracts.scope.cpu_golden_table`) where one was recorded, else skips. `make test` runs this on every kernel path the
-CPU can run (OMNISERVE_CPU_ISA), ATen, oneDNN and MKL held to the same level.
+another model, the difference is a measured machine fact (issue 21: an Intel Xeon with AMX reproduced 0 of 6 float32
+diffusion outputs of columns made on an AMD EPYC until MKL was held to its COMPATIBLE code on every path). Such a
+machine is then held to its own model's column (docs/evidence/golden-by-cpu/, `contracts.scope.cpu_golden_table`)
+where one was recorded, else skips. `make test` runs this on every kernel path the CPU can run (OMNISERVE_CPU_ISA),
+ATen, oneDNN and MKL held to the path.
 """
 
 import pytest
@@ -34,7 +34,7 @@ def _assert_reproduces_its_column(column, name: str, record: str) -> None:
         if not own.total:
             pytest.skip(f"measured: {name} on {path} on this CPU ({cpu}) differs from the column made on "
                         f"{shipped.made.get('cpu', 'a CPU the table does not name')}: {check.reason}; the same kernel "
-                        f"path is not yet the same bits on every CPU model (issue 21); `{record} --table {table}` "
+                        f"path is not proven the same bits on every CPU model (issue 21); `{record} --table {table}` "
                         "records this model's column")
         assert own.verified, f"{name} on {path}, against this CPU model's own column ({table.name}): {own.reason}"
         return

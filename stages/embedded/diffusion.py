@@ -145,16 +145,33 @@ def _seeded(component_index: int) -> None:
     torch.manual_seed(SEED + component_index)
 
 
+# The tiny UNet both UNet families share: two levels, one with cross-attention.
+_TINY_UNET: dict[str, Any] = {
+    "sample_size": 8,  # latent side of the default 64x64 image
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+    "block_out_channels": (32, 64),
+    "layers_per_block": 2,
+}
+
+
+def _sd_scheduler() -> EulerDiscreteScheduler:
+    """Stable Diffusion 1.x's own scheduler settings (SDXL's are the same)."""
+    return EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+
+
 def _build_unet_pipeline() -> StableDiffusionPipeline:
     _seeded(0)
     unet = UNet2DConditionModel(
-        sample_size=8,  # latent side of the default 64x64 image
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        block_out_channels=(32, 64),
-        layers_per_block=2,
+        **_TINY_UNET,
         cross_attention_dim=32,
         norm_num_groups=8,
     )
@@ -162,14 +179,7 @@ def _build_unet_pipeline() -> StableDiffusionPipeline:
     vae = _tiny_vae(latent_channels=4, scaling_factor=0.18215)
     _seeded(2)
     text_encoder = CLIPTextModel(_clip_config())
-    # Stable Diffusion 1.x's own scheduler settings.
-    scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
+    scheduler = _sd_scheduler()
     return StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
@@ -230,13 +240,7 @@ def _build_sdxl_pipeline() -> StableDiffusionXLPipeline:
     clip_width, clip_projection, time_ids_width = 32, 32, 8
     _seeded(0)
     unet = UNet2DConditionModel(
-        sample_size=8,  # latent side of the default 64x64 image
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        block_out_channels=(32, 64),
-        layers_per_block=2,
+        **_TINY_UNET,
         attention_head_dim=(2, 4),
         use_linear_projection=True,
         addition_embed_type="text_time",
@@ -254,14 +258,7 @@ def _build_sdxl_pipeline() -> StableDiffusionXLPipeline:
     text_encoder = CLIPTextModel(_clip_config())
     _seeded(3)
     text_encoder_2 = CLIPTextModelWithProjection(_clip_config(projection_dim=clip_projection))
-    # SDXL's own scheduler settings.
-    scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
+    scheduler = _sd_scheduler()  # SDXL keeps SD 1.x's
     return StableDiffusionXLPipeline(
         vae=vae,
         text_encoder=text_encoder,

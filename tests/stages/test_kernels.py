@@ -104,6 +104,18 @@ def bmm_case(dtype, m=64, k=40, n=64):
     return fn, make
 
 
+def attention_case(dtype, heads=2, queries=24, keys=40, dim=16, masked=False):
+    """F.scaled_dot_product_attention over (batch, heads, tokens, dim): queries, then keys, then values."""
+    mask = torch.rand(queries, keys, generator=torch.Generator().manual_seed(7)) > 0.25 if masked else None
+
+    def fn(x):
+        q, k, v = x.split([queries, keys, keys], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    make = lambda count, gen: torch.randn(count, heads, queries + 2 * keys, dim, generator=gen).to(dtype)  # noqa: E731
+    return fn, make
+
+
 # --- the report --------------------------------------------------------------------------
 
 
@@ -192,6 +204,8 @@ CASES = {
     "group_norm_channels_last": group_norm_case,
     "group_norm_contiguous": lambda dtype: group_norm_case(dtype, channels=32, groups=4, size=8, channels_last=False),
     "bmm": bmm_case,
+    "attention": attention_case,
+    "attention_masked": lambda dtype: attention_case(dtype, heads=3, queries=7, keys=77, dim=40, masked=True),
     # ATen's batched GEMM takes another path for one one-column matrix than for several.
     "linear_one_column": lambda dtype: linear_case(dtype, k=8, n=1, rows=33),
 }
@@ -333,11 +347,15 @@ def test_kernels_results_stay_close_to_a_float64_reference(dtype, tol):
     img, cw = torch.randn(3, 4, 12, 12, generator=gen), torch.randn(8, 4, 3, 3, generator=gen)
     gn_in = torch.randn(3, 32, 9, 9, generator=gen)
     a3, b3, c3 = torch.randn(6, 5, 7, generator=gen), torch.randn(6, 7, 9, generator=gen), torch.randn(6, 5, 9, generator=gen)
+    q, k, v = (torch.randn(2, 3, length, 24, generator=gen) for length in (10, 33, 33))
+    mask = torch.randn(2, 1, 10, 33, generator=gen)
     references = [
         F.linear(x.double(), w.double(), b.double()),
         F.conv2d(img.double(), cw.double(), padding=1),
         F.group_norm(gn_in.double(), 4),
         torch.baddbmm(c3.double(), a3.double(), b3.double(), beta=0.5, alpha=2.0),
+        F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double()),
+        F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True),
     ]
     with batch_invariant_kernels():
         results = [
@@ -345,6 +363,8 @@ def test_kernels_results_stay_close_to_a_float64_reference(dtype, tol):
             F.conv2d(img.to(dtype), cw.to(dtype), padding=1),
             F.group_norm(gn_in.to(dtype), 4),
             torch.baddbmm(c3.to(dtype), a3.to(dtype), b3.to(dtype), beta=0.5, alpha=2.0),
+            F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask.to(dtype)),
+            F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True),
         ]
     for got, want in zip(results, references):
         assert got.dtype == dtype and got.shape == want.shape
@@ -514,6 +534,10 @@ for dtype in (torch.float32, torch.bfloat16):
         x, w, b = (torch.from_numpy(gen.standard_normal(s, dtype=numpy.float32)).to(dtype) for s in ((m, k), (n, k), (n,)))
         y = torch.cat([torch.nn.functional.linear(x, w, b), x @ w.t(), torch.addmm(b, x, w.t(), beta=0.5, alpha=-2)])
         bits[f"{dtype} {m}x{k} @ {k}x{n}"] = hashlib.sha256(y.float().numpy().tobytes()).hexdigest()
+        if dtype == torch.float32:  # MKL, held to COMPATIBLE on every path (bfloat16: ATen's and oneDNN's, per path)
+            a, c = x.expand(3, m, k), torch.from_numpy(gen.standard_normal((3, m, n), dtype=numpy.float32))
+            y = torch.cat([torch.bmm(a, w.t().expand(3, k, n)), torch.baddbmm(c, a, w.t().expand(3, k, n), alpha=0.5)])
+            bits[f"{dtype} 3 x {m}x{k} @ {k}x{n}"] = hashlib.sha256(y.numpy().tobytes()).hexdigest()
 print(json.dumps({"isa": native.loaded_isa(), "bits": bits}))
 """
 
@@ -531,6 +555,53 @@ def test_kernels_every_cpu_path_this_cpu_runs_gives_the_gemm_the_same_bits():
     for isa, run in runs.items():
         differ = [product for product, digest in run["bits"].items() if digest != reference["bits"][product]]
         assert not differ, f"the {isa} path differs from the {reference_isa} path for {differ}"
+
+
+_MKL_BITS = """
+import hashlib, numpy, torch, torch.nn.functional as F
+from stages.kernels import enable_batch_invariant_kernels
+torch.set_num_threads(1)
+assert enable_batch_invariant_kernels("cpu").installed
+gen = numpy.random.default_rng(0)
+t = lambda *shape: torch.from_numpy(gen.standard_normal(shape, dtype=numpy.float32))
+q, k, v, a, b = t(4, 2, 64, 32), t(4, 2, 77, 32), t(4, 2, 77, 32), t(8, 64, 40), t(8, 40, 77)
+y = torch.cat([F.scaled_dot_product_attention(q, k, v).flatten(), torch.bmm(a, b).flatten()])
+print(hashlib.sha256(y.numpy().tobytes()).hexdigest())
+"""
+# MKL (float32 attention and bmm) picks its code from the CPU model, not only from the instructions it may use: an
+# AMD EPYC and an Intel Xeon, both held to AVX2 (MKL_CBWR=AVX2), computed different images. Every path now holds
+# MKL to its COMPATIBLE code (envs._ISA_LIMITS), the same on every x86-64 CPU. One machine shows what that pins by
+# changing the instructions MKL may pick (MKL_ENABLE_INSTRUCTIONS): nothing changes under the path's setting, while
+# MKL's own choice (MKL_CBWR=AUTO) follows them.
+MKL_INSTRUCTIONS = (None, "SSE4_2", "AVX2")
+
+
+def _bits_by_mkl_instructions(cbwr: str | None) -> dict[str, str]:
+    import os
+
+    environ = cpu.path_environment(cpu.cpu_isa(), os.environ)
+    if cbwr is not None:
+        environ["MKL_CBWR"] = cbwr
+    runs = {}
+    for instructions in MKL_INSTRUCTIONS:
+        env = {k: v for k, v in environ.items() if k != "MKL_ENABLE_INSTRUCTIONS"}
+        if instructions is not None:
+            env["MKL_ENABLE_INSTRUCTIONS"] = instructions
+        runs[instructions or "any"] = _fresh_interpreter(_MKL_BITS, env).split()[-1]
+    return runs
+
+
+@pytest.mark.path_independent
+def test_kernels_attention_and_bmm_bits_follow_no_mkl_code_choice_on_this_path():
+    runs = _bits_by_mkl_instructions(None)
+    assert len(set(runs.values())) == 1, f"float32 attention and bmm differ by the instructions MKL may use: {runs}"
+
+
+@pytest.mark.path_independent
+def test_kernels_off_control_mkls_own_choice_follows_the_instructions_it_may_use():
+    runs = _bits_by_mkl_instructions("AUTO")
+    _skip_unless_stock_varies(len(set(runs.values())) > 1,
+                              f"float32 attention and bmm under MKL_CBWR=AUTO, MKL_ENABLE_INSTRUCTIONS {list(runs)}")
 
 
 CROSS_COMPILER = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (make test installs it: `make toolchains`)
