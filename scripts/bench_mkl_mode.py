@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.load import spread  # min/median/max over repeats, as the load benchmark reports them
+
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("AVX2", "COMPATIBLE")
 
@@ -35,10 +37,6 @@ def _run(mode: str, args: argparse.Namespace) -> dict[tuple[str, int, int], tupl
                        timeout=1800)
         rows = json.loads(out.read_text())["rows"]
     return {(r["model"], r["size"], r["batch_size"]): (r["images_per_s_off"], r["images_per_s_on"]) for r in rows}
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"min": round(min(values), 3), "median": round(statistics.median(values), 3), "max": round(max(values), 3)}
 
 
 def main() -> None:
@@ -60,7 +58,7 @@ def main() -> None:
         off = [run["COMPATIBLE"][key][0] / run["AVX2"][key][0] for run in runs]
         rows.append({"model": key[0], "size": key[1], "batch_size": key[2], "repeats": len(runs),
                      "images_per_s_on": {mode: round(statistics.median(r[mode][key][1] for r in runs), 3) for mode in MODES},
-                     "compatible_over_avx2_on": _spread(on), "compatible_over_avx2_off": _spread(off)})
+                     "compatible_over_avx2_on": spread(on), "compatible_over_avx2_off": spread(off)})
     from stages.audit.report import environment  # the CPU, versions and load, as every benchmark records them
 
     report = {"rows": rows, "environment": environment(" ".join(sys.argv))}

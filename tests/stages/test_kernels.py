@@ -498,18 +498,9 @@ def _rows_vary(k: int, n: int, dtype, threads: tuple[int, int]) -> bool:
 
 
 GEMM_SHAPES = [(1, 1), (40, 32), (3, 47), (257, 49), (1024, 130), (512, 1408)]  # panels of 16, 32 and 48 columns
-# The generic path is plain C++: the LLM's 512 x 1408 took 32 s per case there (measured, 6 cases), and its panels,
-# tiles and k chunks are the smaller shapes' again; the path's bits equal the vector paths' at shapes up to
-# 1024 x 1000 (test_kernels_every_cpu_path_this_cpu_runs_gives_the_gemm_the_same_bits).
-ROW_BITS_SHAPES = [
-    pytest.param(k, n, id=str((k, n)), marks=pytest.mark.skipif(
-        (k, n) == (512, 1408) and cpu.cpu_isa() == "generic",
-        reason="generic path: the LLM's shape costs 32 s per case in plain C++; the smaller shapes cover its blocking"))
-    for k, n in GEMM_SHAPES
-]
 
 
-@pytest.mark.parametrize("k,n", ROW_BITS_SHAPES)
+@pytest.mark.parametrize("k,n", GEMM_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [(1, 1), (1, 2), (2, 1)], ids=lambda t: f"{t[0]}vs{t[1]}threads")
 def test_kernels_packed_gemm_row_bits_follow_neither_rows_position_nor_threads(k, n, dtype, threads):
