@@ -353,7 +353,7 @@ def _build_pixart_pipeline() -> PixArtSigmaPipeline:
 def _tiny_t5(tokenizer: PreTrainedTokenizerFast, width: int) -> T5EncoderModel:
     """diffusers' tiny-random-t5 shape (2 layers, 4 heads of 8) over `tokenizer`'s vocabulary."""
     return T5EncoderModel(
-        T5Config(  # type: ignore[call-arg]  # decoder_start_token_id: a PretrainedConfig keyword the stubs omit
+        T5Config(
             vocab_size=len(tokenizer),
             d_model=width,
             d_kv=8,

@@ -252,7 +252,7 @@ def _build(spec: TinyLlamaSpec, out: Path) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         # transformers' wrapper of `.to` is typed as the unbound method (its `self` first).
-        model = LlamaForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
 
 

@@ -209,7 +209,7 @@ def word_tokenizer(max_length: int = MAX_PROMPT_TOKENS):
             pieces = [pieces[0] + pieces[1], *pieces[2:]]
             vocab.setdefault(pieces[0], len(vocab))
     # tokenizers' BPE takes the merges as (a, b) pairs; transformers annotates them as strings.
-    return CLIPTokenizer(vocab=vocab, merges=list(ranks), model_max_length=max_length)  # type: ignore[arg-type]
+    return CLIPTokenizer(vocab=vocab, merges=list(ranks), model_max_length=max_length)
 
 
 def _bpe(pieces: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:

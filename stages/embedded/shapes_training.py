@@ -232,7 +232,7 @@ def _target(noise_schedule: DDPMScheduler, latents, noise, timesteps) -> torch.T
     v = alpha * noise - sigma * x0 is mostly the clean latent, so the first sampling steps' layout is what it
     learns (the same words move v's prediction by 0.97, and the shape lands where it is said)."""
     # diffusers annotates `config` as a dict; it is a FrozenDict, whose keys are attributes too.
-    if noise_schedule.config.prediction_type == "v_prediction":  # type: ignore[attr-defined]
+    if noise_schedule.config.prediction_type == "v_prediction":
         return noise_schedule.get_velocity(latents, noise, timesteps)
     return noise
 

@@ -2,7 +2,7 @@
 
 The HTTP-level tests at the end run `orchestration.api` (the real routes, body checks and handlers) in-process
 over a stub ingress whose stage calls raise what a test says: fast, without Ray. The real app over real HTTP is
-tests/reliability/test_fuzz.py (slow).
+tests/orchestration/test_fuzz.py (slow).
 """
 
 import logging

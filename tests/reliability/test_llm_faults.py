@@ -18,6 +18,8 @@ import httpx
 import psutil
 import pytest
 
+from tests.reliability import replicas
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NAME = "llm-faults"
@@ -87,10 +89,7 @@ async def load(url: str, fault=None) -> list[httpx.Response]:
 
 
 def replica_pids() -> set[int]:
-    from ray import serve
-
-    handle = serve.get_deployment_handle("LLMStage", app_name=NAME)
-    return {handle.describe.remote().result(timeout_s=60).details["pid"] for _ in range(12)}
+    return replicas.replica_pids(NAME, "LLMStage")
 
 
 def kill_when_busy(victim: int, killed_at: list[float], timeout_s: float = 30) -> None:

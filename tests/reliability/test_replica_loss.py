@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from tests.reliability import replicas
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REQUESTS, CONCURRENCY, KILL_AFTER_DONE = 160, 16, 24
@@ -69,10 +71,7 @@ async def load(url: str, during=None) -> list[httpx.Response]:
 
 
 def replica_pids() -> set[int]:
-    from ray import serve
-
-    handle = serve.get_deployment_handle("DiffusionStage", app_name="replica-loss")
-    return {handle.describe.remote().result(timeout_s=30).details["pid"] for _ in range(12)}
+    return replicas.replica_pids("replica-loss", "DiffusionStage")
 
 
 def test_killing_one_of_two_diffusion_replicas_under_load_loses_no_request_and_changes_no_byte(app):
@@ -91,8 +90,12 @@ def test_killing_one_of_two_diffusion_replicas_under_load_loses_no_request_and_c
     assert all(base64.b64decode(item["b64_json"]).startswith(b"\x89PNG") for item in got)
     health = httpx.get(f"{app}/health", timeout=60).json()
     assert health["ingress"]["retried_calls"] > 0, "no call was retried: the replica died after the load"
-    # Serve replaces the dead replica: two distinct live processes again, the victim not among them.
+    # Serve replaces the dead replica: two live replica processes again, the victim not among them, both serving.
     deadline = time.monotonic() + 120
-    while (pids_now := replica_pids()) and (victim in pids_now or len(pids_now) < 2):
+    while (pids_now := replica_pids()) and (victim in pids_now or len(pids_now) < 2 or running_replicas(app) < 2):
         assert time.monotonic() < deadline, pids_now
         time.sleep(1)
+
+
+def running_replicas(app: str) -> int:
+    return httpx.get(f"{app}/health", timeout=60).json()["stages"]["diffusion"]["replicas"]["running"]

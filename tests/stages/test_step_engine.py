@@ -76,6 +76,12 @@ def neighbours(engine, count, steps=8):
     return made
 
 
+#: Scheduling and bookkeeping: which sample finishes first, who shares a forward, what the engine keeps. One answer on
+#: every kernel path, so make test runs them once, on this machine's path; the bits of co-batched and packed samples
+#: are the checks above and below, which run on every path.
+SCHEDULING = pytest.mark.path_independent
+
+
 def check(engine, equal: bool) -> None:
     """The invariance verdict: with kernels on it must hold; the control must show it can fail."""
     if engine.invariant:
@@ -168,6 +174,7 @@ def test_partial_images_do_not_change_the_final_bytes(engine):
     assert not np.array_equal(partials[0][1], final)
 
 
+@SCHEDULING
 def test_a_short_request_sent_while_a_long_batch_runs_finishes_first_and_shares_forwards(engine):
     if not engine.invariant:
         pytest.skip("scheduling, not bits: checked once, with the kernels on")
@@ -180,6 +187,7 @@ def test_a_short_request_sent_while_a_long_batch_runs_finishes_first_and_shares_
     assert collector.finished_order[0] == "short" and short.largest_batch > 1
 
 
+@SCHEDULING
 def test_a_short_request_of_another_size_sent_while_long_ones_run_finishes_first_with_its_solo_bytes(engine):
     """FLUX packs sizes: the short one shares the long ones' forwards. The others call their denoiser per latent
     shape: the engine picks by fewest remaining steps across shapes, so the short one's forwards run between theirs."""
@@ -216,6 +224,7 @@ def test_samples_of_different_sizes_packed_into_one_call_give_their_solo_bytes(e
     check(engine, np.array_equal(images[0], expected) and np.array_equal(images[1], wide_alone))
 
 
+@SCHEDULING
 def test_the_engine_keeps_nothing_per_request_key(engine):
     if not engine.invariant:
         pytest.skip("bookkeeping, not bits: checked once, with the kernels on")

@@ -1,7 +1,8 @@
 """1,000+ generated bad bodies over real HTTP: each gets a 4xx with an `error.message`, never a 5xx; afterwards the
 app still serves valid requests of both routes.
 
-The app is real (LLM and diffusion stages, one replica each, both switches on); the bodies are drawn by hypothesis,
+The app is real: the package's "/" (LLM and diffusion stages, both switches on; tests/orchestration/conftest.py,
+shared rather than a third app of its own, which cost a minute of the suite to start and stop); the bodies are drawn by hypothesis,
 derandomized (the same bodies every run), from:
 - both request schemas (`/openapi.json`'s own JSON schemas): each field given a value of another JSON type, a value
   past its range or length, a value outside its enum; an unknown field; a required field left out;
@@ -25,12 +26,6 @@ from contracts.http import BODY_RULES, ChatCompletionRequest, ImageEditRequest, 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-APP = {
-    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.2}},
-    "diffusion": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.2}, "defaults": {"num_inference_steps": 1}},
-    "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "request_timeout_s": 120},
-}
-ROUTE = "/fuzz"
 IMAGES, CHAT, EDITS = "/v1/images/generations", "/v1/chat/completions", "/v1/images/edits"
 VALID = {
     IMAGES: {"prompt": "a red fox", "seed": 7, "size": "64x64", "num_inference_steps": 1, "enhance_prompt": False},
@@ -288,16 +283,8 @@ def bad_bodies() -> list[tuple[str, str | None, bytes | list[bytes]]]:
 
 
 @pytest.fixture(scope="module")
-def app(serve_instance):
-    from ray import serve
-
-    from orchestration import build_app
-
-    serve.run(build_app(APP), name="fuzz", route_prefix=ROUTE)
-    try:
-        yield f"{serve_instance}{ROUTE}"
-    finally:
-        serve.delete("fuzz")
+def app(server):
+    return server  # the package's app, "/" (tests/orchestration/conftest.py)
 
 
 async def chunks(parts: list[bytes]):
