@@ -233,10 +233,14 @@ print(json.dumps({"equal": all(torch.equal(solo, r) for r in rows), "report": vl
 """
 
 
-@functools.cache
 def _probe(switch: str, isa: str | None = None) -> dict:
     """The probe in a fresh interpreter, on this session's kernel path or on `isa` (OMNISERVE_CPU_ISA)."""
-    env = dict(os.environ) if isa is None else cpu.path_environment(isa, os.environ)
+    return _probe_on_path(switch, isa or cpu.cpu_isa())
+
+
+@functools.cache  # one interpreter per switch and path: each imports vLLM (about 10 s on 2 busy cores)
+def _probe_on_path(switch: str, isa: str) -> dict:
+    env = cpu.path_environment(isa, os.environ)
     done = subprocess.run(
         [sys.executable, "-c", _PLUGIN_PROBE, switch], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
         env=env,
