@@ -9,18 +9,9 @@ from __future__ import annotations
 
 import os
 
-# OpenMP threads that wait sleep at once instead of spinning (libgomp spins 300,000 rounds by default), here and in
-# every process the tests start (read when torch first loads libgomp, which is after this line). The suite runs two
-# workers, Ray, vLLM engines and diffusion replicas on 2 cores, each process with torch threads of its own, and a
-# spinning thread takes the core another process needs. Measured on this 2-core Intel Xeon: three processes
-# rendering the tiny UNet and DiT side by side, 12 renders each, took 15.9-29.8 s spinning and 1.2-4.6 s passive
-# (alone, one process: 1.3 s spinning, 3.7 s passive, which is why the stages keep libgomp's default). Scheduling
-# only: no result's bits depend on it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import pytest
 
-import pytest  # noqa: E402
-
-from contracts.cpu import hold_process_to_path  # noqa: E402
+from contracts.cpu import hold_process_to_path
 
 # ATen, oneDNN and MKL held to the kernel path's level (OMNISERVE_CPU_ISA=avx2|generic forces one), here and in every
 # process the tests start, before any of them reads its variable: one machine runs another's paths.
