@@ -2,8 +2,8 @@
 app still serves valid requests of both routes.
 
 The app is real: the package's "/" (LLM and diffusion stages, both switches on; tests/orchestration/conftest.py,
-shared rather than a third app of its own, which cost a minute of the suite to start and stop); the bodies are drawn by hypothesis,
-derandomized (the same bodies every run), from:
+shared rather than a third app of its own, which cost a minute of the suite to start and stop); the bodies are
+drawn by hypothesis, derandomized (the same bodies every run), from:
 - both request schemas (`/openapi.json`'s own JSON schemas): each field given a value of another JSON type, a value
   past its range or length, a value outside its enum; an unknown field; a required field left out;
 - mutations of valid bodies: text where the API wants visible text or ASCII digits (zero-width, direction marks,
