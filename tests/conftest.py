@@ -9,6 +9,16 @@ from __future__ import annotations
 
 import os
 
+# OpenMP threads that wait spin 10,000 rounds before they sleep, not libgomp's 300,000, here and in every process the
+# tests start (read when torch first loads libgomp, which is after this line). The suite runs two workers, Ray, vLLM
+# engines and diffusion replicas on 2 cores, and a thread spinning for a peer that is not scheduled takes the core
+# another process needs. Measured on this 2-core Intel Xeon, the tiny UNet and DiT rendering 12 images (4 steps,
+# 64x64, 2 torch threads): three processes side by side 10.3-25.7 s each with the default, 3.0-6.9 s with 10,000
+# (1,000 or passive: 1.8-3.2 s, but one process alone 3.5-3.8 s instead of 1.2-1.3 s, which 10,000 keeps); the main
+# suite 17 min 53 s against 18 min 41 s and 19 min 27 s in the two runs before it, its processes' CPU time 1979 s
+# against 2177 s. Scheduling only: no result's bits depend on it. (The stages keep libgomp's default.)
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 import pytest
 
 from contracts.cpu import hold_process_to_path

@@ -6,6 +6,7 @@ that the same check can fail. Ray and Serve come from the session fixture `serve
 """
 
 import concurrent.futures
+import contextlib
 import hashlib
 
 import pytest
@@ -96,17 +97,32 @@ def test_diffusion_dit_cobatched_results_equal_their_solo_bytes(serve_instance):
         serve.delete("dit-invariant")
 
 
-@pytest.mark.parametrize("model", [UNET, DIT])
-def test_diffusion_control_invariance_off_cobatched_bytes_differ(serve_instance, model):
-    name = f"control-{model.rsplit('-', 1)[-1]}"
-    handle = deploy(name, model, batch_invariant=False, max_batch_size=4)
+@pytest.fixture(scope="module")
+def unet_plain(serve_instance):
+    """The UNet with invariance off: the UNet's control, and the stage that picks seeds for seedless requests."""
+    handle = deploy("unet-plain", batch_invariant=False, max_batch_size=4)
+    yield handle
+    serve.delete("unet-plain")
+
+
+@contextlib.contextmanager
+def deployed(name, model, **options):
+    handle = deploy(name, model, **options)
     try:
-        solo, batched = _solo_and_batched(handle)
-        assert max(r.batch_size for r in batched) > 1
-        assert not any(r.batch_invariant for r in batched)
-        assert any(b.png != a.png for a, b in zip(solo, batched)), "the check could not fail: control shows no variance"
+        yield handle
     finally:
         serve.delete(name)
+
+
+@pytest.mark.parametrize("model", [UNET, DIT])
+def test_diffusion_control_invariance_off_cobatched_bytes_differ(request, model):
+    plain = (contextlib.nullcontext(request.getfixturevalue("unet_plain")) if model == UNET
+             else deployed("control-dit", model, batch_invariant=False, max_batch_size=4))
+    with plain as handle:
+        solo, batched = _solo_and_batched(handle)
+    assert max(r.batch_size for r in batched) > 1
+    assert not any(r.batch_invariant for r in batched)
+    assert any(b.png != a.png for a, b in zip(solo, batched)), "the check could not fail: control shows no variance"
 
 
 # --- a family served from a model directory, as a user has one ------------------------------------
@@ -251,7 +267,7 @@ def test_diffusion_describe_reports_switch_kernels_and_the_config_it_runs(unet_i
 # --- replicas and restarts ----------------------------------------------------------------------
 
 
-def test_diffusion_two_replicas_and_a_restarted_replica_return_identical_bytes(serve_instance):
+def test_diffusion_two_replicas_and_one_of_another_deployment_return_identical_bytes(unet_invariant):
     handle = deploy("two-replicas", num_replicas=2, max_batch_size=1, batch_wait_timeout_s=0.0)
     try:
         seen: dict[str, set] = {}
@@ -266,13 +282,10 @@ def test_diffusion_two_replicas_and_a_restarted_replica_return_identical_bytes(s
         assert len(hashes) == 1
     finally:
         serve.delete("two-replicas")
-    # A replica started from scratch in a new process: same bytes again.
-    restarted = deploy("restarted", max_batch_size=1)
-    try:
-        again = generate(restarted, *REQUESTS[0])
-        assert again.replica not in seen and again.sha256 in hashes
-    finally:
-        serve.delete("restarted")
+    # Another replica of the model and switch, started from scratch in a process of its own (the module's, which
+    # batches up to 4; the replicas above, 1): same bytes again.
+    again = generate(unet_invariant, *REQUESTS[0])
+    assert again.replica not in seen and again.sha256 in hashes
 
 
 # --- admission: typed errors, nothing dropped or replaced -----------------------------------------
@@ -324,19 +337,15 @@ def test_diffusion_full_queue_rejects_clearly_and_serves_the_rest(unet_invariant
     assert refused > 0 and served >= 8
 
 
-def test_diffusion_seedless_request_without_invariance_gets_a_seed_that_reproduces(serve_instance):
-    handle = deploy("unet-plain", batch_invariant=False, max_batch_size=1)
-    try:
-        first = image_of(render(handle, job("a red fox", STEPS)))
-        assert first.batch_invariant is False
-        assert 0 <= first.seed <= MAX_SAFE_SEED  # the one seed picker: exact as a JSON number in any client
-        again = generate(handle, "a red fox", first.seed)
-        assert again.sha256 == first.sha256
-        # Off, the caller's own generator device and sigmas are honoured (and keyed apart).
-        custom = generate(handle, "a red fox", 5, generator_device="cpu", sigmas=[14.6, 5.0, 1.0])
-        assert custom.seed == 5
-    finally:
-        serve.delete("unet-plain")
+def test_diffusion_seedless_request_without_invariance_gets_a_seed_that_reproduces(unet_plain):
+    first = image_of(render(unet_plain, job("a red fox", STEPS)))
+    assert first.batch_invariant is False
+    assert 0 <= first.seed <= MAX_SAFE_SEED  # the one seed picker: exact as a JSON number in any client
+    again = generate(unet_plain, "a red fox", first.seed)
+    assert again.sha256 == first.sha256
+    # Off, the caller's own generator device and sigmas are honoured (and keyed apart).
+    custom = generate(unet_plain, "a red fox", 5, generator_device="cpu", sigmas=[14.6, 5.0, 1.0])
+    assert custom.seed == 5
 
 
 def test_diffusion_caller_seed_is_never_replaced(unet_invariant):

@@ -464,6 +464,9 @@ def test_kernels_without_a_compiler_install_nothing_and_say_why(tmp_path):
     assert "could not be built" in out and "blocked.cpp" in out
 
 
+# Once: how the library is named, cached and rebuilt in an empty cache is one rule for every path, and each path's
+# own library is compiled from source anyway when its loop first runs (measured: 24-32 s a path for this repeat).
+@pytest.mark.path_independent
 def test_kernels_library_is_cached_under_a_name_that_follows_its_source(tmp_path):
     from stages.kernels import native
 
