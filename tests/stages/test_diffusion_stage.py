@@ -29,15 +29,19 @@ STEPS = {"num_inference_steps": 3, "height": 64, "width": 64}
 TIMEOUT_S = 240
 
 
-def deploy(name, model=UNET, *, batch_invariant=True, num_replicas=1, **stage_options):
-    """One DiffusionStage app, bound the way the app binds it: Serve's options from the config."""
+@contextlib.contextmanager
+def deployed(name, model=UNET, *, batch_invariant=True, num_replicas=1, **stage_options):
+    """One DiffusionStage app, bound the way the app binds it (Serve's options from the config); deleted on exit."""
     stage_options.setdefault("batch_wait_timeout_s", 0.5)
     config = DiffusionStageConfig(
         model=model, batch_invariant=batch_invariant, torch_threads=1,
         num_replicas=num_replicas, ray_actor_options={"num_cpus": 0.4}, **stage_options,
     )
     app = DiffusionStage.options(name=name, **config.deployment_options()).bind(config)
-    return serve.run(app, name=name, route_prefix=None)
+    try:
+        yield serve.run(app, name=name, route_prefix=None)
+    finally:
+        serve.delete(name)
 
 
 def job(prompt, params, **fields) -> RenderJob:
@@ -65,9 +69,8 @@ def concurrently(handle, requests, **params):
 
 @pytest.fixture(scope="module")
 def unet_invariant(serve_instance):
-    handle = deploy("unet-invariant", max_batch_size=4, max_queued=8)
-    yield handle
-    serve.delete("unet-invariant")
+    with deployed("unet-invariant", max_batch_size=4, max_queued=8) as handle:
+        yield handle
 
 
 def _solo_and_batched(handle):
@@ -88,30 +91,17 @@ def test_diffusion_unet_cobatched_results_equal_their_solo_bytes(unet_invariant)
 
 
 def test_diffusion_dit_cobatched_results_equal_their_solo_bytes(serve_instance):
-    handle = deploy("dit-invariant", DIT, max_batch_size=4)
-    try:
+    with deployed("dit-invariant", DIT, max_batch_size=4) as handle:
         solo, batched = _solo_and_batched(handle)
         assert max(r.batch_size for r in batched) > 1
         assert [r.png for r in batched] == [r.png for r in solo]
-    finally:
-        serve.delete("dit-invariant")
 
 
 @pytest.fixture(scope="module")
 def unet_plain(serve_instance):
     """The UNet with invariance off: the UNet's control, and the stage that picks seeds for seedless requests."""
-    handle = deploy("unet-plain", batch_invariant=False, max_batch_size=4)
-    yield handle
-    serve.delete("unet-plain")
-
-
-@contextlib.contextmanager
-def deployed(name, model, **options):
-    handle = deploy(name, model, **options)
-    try:
+    with deployed("unet-plain", batch_invariant=False, max_batch_size=4) as handle:
         yield handle
-    finally:
-        serve.delete(name)
 
 
 @pytest.mark.parametrize("model", [UNET, DIT])
@@ -163,8 +153,7 @@ def test_a_family_from_a_model_directory_cobatched_with_unlike_neighbours_gives_
 
     directory = str(tiny_pipeline_path(kind))  # as save_pretrained wrote it: what a downloaded checkpoint looks like
     name = f"{kind}-{'on' if batch_invariant else 'control'}"
-    handle = deploy(name, directory, batch_invariant=batch_invariant, max_batch_size=5)
-    try:
+    with deployed(name, directory, batch_invariant=batch_invariant, max_batch_size=5) as handle:
         described = handle.describe.remote().result(timeout_s=60)
         assert described.model == directory and described.details["batching"]["mode"] == "step"
         assert described.details["batching"]["packs_sizes"] == (kind == "flux")  # FLUX: the smaller one shares forwards
@@ -179,8 +168,6 @@ def test_a_family_from_a_model_directory_cobatched_with_unlike_neighbours_gives_
         pytest.skip(f"measured: with kernels off, {kind}'s co-batched target PNG equalled its solo PNG at sides {SIDES} "
                     "on this CPU; the matching check proves nothing here (the audit's float control varies: "
                     "docs/evidence/scope)")
-    finally:
-        serve.delete(name)
 
 
 def test_a_pipeline_without_a_family_is_served_from_its_directory_by_whole_requests_and_says_so(serve_instance):
@@ -190,8 +177,7 @@ def test_a_pipeline_without_a_family_is_served_from_its_directory_by_whole_reque
     from stages.embedded.diffusion import tiny_pipeline_path
 
     directory = str(tiny_pipeline_path("pixart"))
-    handle = deploy("pixart-fallback", directory, max_batch_size=4, batch_wait_timeout_s=1.0)
-    try:
+    with deployed("pixart-fallback", directory, max_batch_size=4, batch_wait_timeout_s=1.0) as handle:
         batching = handle.describe.remote().result(timeout_s=60).details["batching"]
         assert batching["mode"] == "request" and "no family for PixArtSigmaPipeline" in batching["fallback"]
         alone = generate(handle, "a red fox in the snow", 42)
@@ -203,8 +189,6 @@ def test_a_pipeline_without_a_family_is_served_from_its_directory_by_whole_reque
         together = items[0][-1]
         assert together.batch_size > 1, "the target shared no batch"
         assert together.png == alone.png
-    finally:
-        serve.delete("pixart-fallback")
 
 
 KEY_GROUPS = {
@@ -232,13 +216,10 @@ def test_diffusion_step_batching_shares_forwards_across_step_counts_but_never_ac
 
 def test_diffusion_request_batching_never_mixes_keys_in_a_batch(serve_instance):
     # Sent together, with a long batch wait: a mixed batch would report more items than its key has.
-    handle = deploy("unet-request", batching="request", max_batch_size=4, max_queued=8)
-    try:
+    with deployed("unet-request", batching="request", max_batch_size=4, max_queued=8) as handle:
         for name, results in _sent_together(handle).items():
             assert all(r.batch_size <= len(KEY_GROUPS[name]) for r in results), name
         assert handle.describe.remote().result(timeout_s=60).details["batching"]["mode"] == "request"
-    finally:
-        serve.delete("unet-request")
 
 
 def test_diffusion_provenance_names_seed_hash_switch_backend_model_batch(unet_invariant):
@@ -268,8 +249,7 @@ def test_diffusion_describe_reports_switch_kernels_and_the_config_it_runs(unet_i
 
 
 def test_diffusion_two_replicas_and_one_of_another_deployment_return_identical_bytes(unet_invariant):
-    handle = deploy("two-replicas", num_replicas=2, max_batch_size=1, batch_wait_timeout_s=0.0)
-    try:
+    with deployed("two-replicas", num_replicas=2, max_batch_size=1, batch_wait_timeout_s=0.0) as handle:
         seen: dict[str, set] = {}
         for _ in range(6):
             batch = concurrently(handle, [REQUESTS[0]] * 4)
@@ -280,8 +260,6 @@ def test_diffusion_two_replicas_and_one_of_another_deployment_return_identical_b
         assert len(seen) == 2, f"only replicas {sorted(seen)} answered"
         hashes = set().union(*seen.values())
         assert len(hashes) == 1
-    finally:
-        serve.delete("two-replicas")
     # Another replica of the model and switch, started from scratch in a process of its own (the module's, which
     # batches up to 4; the replicas above, 1): same bytes again.
     again = generate(unet_invariant, *REQUESTS[0])

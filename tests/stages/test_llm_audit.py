@@ -58,21 +58,24 @@ def audit(tmp_path_factory):
     measured, reports = [], []
     for i, candidate in enumerate(CANDIDATES):
         # The first candidate runs kernels on in the same process (one interpreter and vLLM import fewer where its
-        # control varies, as it does on the CPUs measured); the others search with kernels off only.
-        both = _run_audit(folder / f"audit-{i}.json", candidate, "off,on" if i == 0 else "off")
-        off = {**both, "runs": [r for r in both["runs"] if r["kernels"] == "off"]}
-        reports.append((candidate, off, both if i == 0 else None))
-        runs = off["runs"]
+        # control varies, as it does on this Intel Xeon); the others search with kernels off only.
+        report = _run_audit(folder / f"audit-{i}.json", candidate, "off,on" if i == 0 else "off")
+        reports.append((candidate, report))
+        runs = _runs(report, "off")["runs"]
         measured.append(f"{_label(candidate)}: {sum(r['differing_elements'] for r in runs)} of "
                         f"{sum(r['total_elements'] for r in runs)} elements differed over {len(runs)} runs")
-        if off["summary"]["control_varies"]:
+        if report["summary"]["control_varies"]:
             break
-    candidate, off, both = next((entry for entry in reports if entry[1]["summary"]["control_varies"]), reports[0])
-    if both is not None:
-        on = {**both, "runs": [r for r in both["runs"] if r["kernels"] == "on"]}
-    else:
+    candidate, report = next(((c, r) for c, r in reports if r["summary"]["control_varies"]), reports[0])
+    on = _runs(report, "on")
+    if not on["runs"]:
         on = _run_audit(folder / "on.json", candidate, "on")
-    return {"candidate": candidate, "off": off, "on": on, "measured": measured}
+    return {"candidate": candidate, "off": _runs(report, "off"), "on": on, "measured": measured}
+
+
+def _runs(report: dict, kernels: str) -> dict:
+    """The report with only the runs of one kernel setting (its summary and environment whole)."""
+    return {**report, "runs": [r for r in report["runs"] if r["kernels"] == kernels]}
 
 
 def test_llm_audit_control_varies_and_the_switch_makes_every_run_identical(audit):
