@@ -90,16 +90,17 @@ class RequestBatching:
 
     def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
         self.renderer, self.config, self.rendered = renderer, config, rendered
-        self._queues: dict[BatchKey, Any] = {}
+        # Per batch key and request group (`DiffusionRenderer.request_group`: prompts of one length where it matters).
+        self._queues: dict[tuple[BatchKey, tuple[int, ...]], Any] = {}
         self._batch_started: float | None = None  # time.monotonic() when the running batch began
         # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
 
     async def render(self, job: Job, on_preview=None) -> RenderedImage:
         """Render one job in a whole-request batch: no partial images (the pipeline has no step boundary to show)."""
-        return await self._queue(BatchKey.of(job.params))(job)
+        return await self._queue((BatchKey.of(job.params), self.renderer.request_group(job)))(job)
 
-    def _queue(self, key: BatchKey):
+    def _queue(self, key: tuple[BatchKey, tuple[int, ...]]):
         queue = self._queues.get(key)
         if queue is None:
 

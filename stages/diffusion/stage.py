@@ -58,9 +58,8 @@ class DiffusionStage:
         self.provenance = self.provenance.model_copy(update=self.scope.provenance())
         record_switch_state("diffusion", batch_invariant, self.renderer.kernels.backend)
         if self.config.warm_up:
-            self.batching.warm_up(
-                Job("warm-up", self.renderer.resolve(DiffusionSamplingParams(seed=0, num_inference_steps=1)))
-            )
+            fewest = DiffusionSamplingParams(seed=0, num_inference_steps=self.renderer.min_steps)
+            self.batching.warm_up(Job("warm-up", self.renderer.resolve(fewest)))
 
     async def render(self, job: RenderJob):
         """The stage's one entry point: a generation or (`job.image`) an edit, as a stream of up to

@@ -43,7 +43,7 @@ __all__ = [
 class EmbeddedModel:
     id: str
     stage: Literal["llm", "diffusion"]
-    recipe: str  # diffusion: "unet" | "dit" | "sdxl" | "flux" | "pixart" | "shapes"; LLM: a TinyLlamaSpec name
+    recipe: str  # diffusion: "unet" | "dit" | "sdxl" | "flux" | "qwen" | "pixart" | "shapes"; LLM: a TinyLlamaSpec name
     default: bool = False  # the stage's model when its config says `model: null`
     # Trained weights (committed, `stages.embedded.shapes_training`) rather than random ones built from a seed.
     trained: bool = False
@@ -60,6 +60,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         EmbeddedModel("omniserve/tiny-sd3-dit", "diffusion", "dit"),
         EmbeddedModel("omniserve/tiny-sdxl-unet", "diffusion", "sdxl"),
         EmbeddedModel("omniserve/tiny-flux-dit", "diffusion", "flux"),
+        EmbeddedModel("omniserve/tiny-qwen-image", "diffusion", "qwen"),
         EmbeddedModel("omniserve/tiny-pixart-dit", "diffusion", "pixart", fallback=True),
         EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama", default=True),
         EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),

@@ -9,6 +9,11 @@ Three kinds, each a real architecture a serving stage meets in production:
   "flux": FluxPipeline              (FluxTransformer2DModel with the guidance embedding, AutoencoderKL with 4 latent
                                      channels packed 2x2, CLIPTextModel + a T5 encoder with a byte-level tokenizer,
                                      FlowMatchEulerDiscreteScheduler)
+  "qwen": QwenImagePipeline         (QwenImageTransformer2DModel, the MMDiT with RoPE over text and image and RMSNorm'd
+                                     text, AutoencoderKLQwenImage with causal 3-D convolutions and 4 latent channels
+                                     packed 2x2, a Qwen2.5-VL text encoder with a byte-level BPE tokenizer whose chat
+                                     template's system prefix is 34 tokens as in the real one, FlowMatchEulerDiscrete-
+                                     Scheduler with Qwen-Image's exponential dynamic shift)
   "pixart": PixArtSigmaPipeline     (PixArtTransformer2DModel with adaLN-single and learned sigma, AutoencoderKL,
                                      a T5 encoder with a byte-level tokenizer, DPMSolverMultistepScheduler): a
                                      pipeline the step engine has no family for, served by whole-request batching
@@ -36,6 +41,7 @@ from typing import Any, cast
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     DPMSolverMultistepScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
@@ -43,6 +49,8 @@ from diffusers import (
     FluxTransformer2DModel,
     PixArtSigmaPipeline,
     PixArtTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -59,6 +67,9 @@ from transformers import (
     CLIPTextModelWithProjection,
     CLIPTokenizer,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
 )
@@ -86,6 +97,7 @@ _ABSENT_COMPONENTS = {
     "dit": {"text_encoder_3": None, "tokenizer_3": None},
     "sdxl": {},
     "flux": {},
+    "qwen": {},
     "pixart": {},
     TRAINED_KIND: {},
 }
@@ -135,6 +147,7 @@ def _build(kind: str) -> DiffusionPipeline:
             "dit": _build_dit_pipeline,
             "sdxl": _build_sdxl_pipeline,
             "flux": _build_flux_pipeline,
+            "qwen": _build_qwen_pipeline,
             "pixart": _build_pixart_pipeline,
         }
         return cast(DiffusionPipeline, builders[kind]())
@@ -310,6 +323,118 @@ def _build_flux_pipeline() -> FluxPipeline:
         text_encoder_2=text_encoder_2,
         tokenizer_2=t5_tokenizer,
         transformer=transformer,
+    )
+
+
+def _build_qwen_pipeline() -> QwenImagePipeline:
+    """diffusers' Qwen-Image fast-test shapes (a 2-layer MMDiT, 2 heads of 16, RoPE axes 8+4+4; a Qwen2.5-VL text encoder
+    with multimodal RoPE) widened to a 32-wide text encoder with grouped-query attention like the real one, and a
+    four-level causal-3-D VAE that downsamples 8x like the real one (4 latent channels packed 2x2 into 16 per token)."""
+    text_width = 32
+    _seeded(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,  # 4 latent channels x 2 x 2 packed
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_width,
+        guidance_embeds=False,  # Qwen-Image is not guidance-distilled: true CFG only
+        axes_dims_rope=(8, 4, 4),
+    )
+    _seeded(1)
+    vae = AutoencoderKLQwenImage(
+        base_dim=24,
+        z_dim=4,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],  # the real VAE's: 8x spatially, 4x in time
+        latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],  # the real VAE's first four channels' statistics
+        latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+    )
+    _seeded(2)
+    tokenizer = _qwen_tokenizer()
+    text_encoder = Qwen2_5_VLForConditionalGeneration(_qwen_vl_config(len(tokenizer), text_width, tokenizer))
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            # Qwen-Image's own schedule: the resolution shift (exponential), its range, and the terminal sigma.
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            base_shift=0.5,
+            max_shift=0.9,
+            shift=1.0,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
+            use_dynamic_shifting=True,
+        ),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
+#: QwenImagePipeline's chat template (`prompt_template_encode`): it drops the first 34 tokens of the encoded text, the
+#: system prefix as the real tokenizer splits it. Each of these words is one token here, so the prefix is 34 too.
+_QWEN_TEMPLATE_WORDS = (
+    "system user assistant Describe Ġthe Ġimage Ġby Ġdetailing Ġcolor Ġshape Ġsize Ġtexture Ġquantity Ġtext "
+    "Ġspatial Ġrelationships Ġof Ġobjects Ġand Ġbackground"
+).split()
+_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _qwen_tokenizer() -> Qwen2Tokenizer:
+    """Qwen2's tokenizer (its pre-tokenizer and byte-level BPE) over the 256 byte symbols plus the chat template's
+    words, each merged left to right: any text tokenizes, and the template's system prefix is 34 tokens."""
+    from tokenizers import pre_tokenizers
+
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges: list[tuple[str, str]] = []
+    for word in _QWEN_TEMPLATE_WORDS:
+        for end in range(2, len(word) + 1):
+            left, right = word[: end - 1], word[end - 1]
+            if word[:end] not in vocab:
+                merges.append((left, right))
+                vocab[word[:end]] = len(vocab)
+    for special in _QWEN_SPECIALS:
+        vocab[special] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_QWEN_SPECIALS[1:])})
+    return tokenizer
+
+
+def _qwen_vl_config(vocab_size: int, width: int, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
+    """A 2-layer Qwen2.5-VL: 4 query heads of 8 sharing 2 key/value heads, multimodal RoPE split 1+1+2 (time,
+    height, width), a 2-block vision tower the text-to-image pipeline never calls."""
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    return Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_size": width,
+            "intermediate_size": 37,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]},
+            "bos_token_id": end,
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            "pad_token_id": end,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": width,
+            "fullatt_block_indexes": [1],
+        },
+        # Image/video ids past the vocabulary: a text prompt never holds them.
+        image_token_id=vocab_size,
+        video_token_id=vocab_size + 1,
+        vision_start_token_id=vocab_size + 2,
+        vision_end_token_id=vocab_size + 3,
     )
 
 

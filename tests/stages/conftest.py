@@ -8,18 +8,18 @@ from stages.diffusion.engine import StepEngine
 from stages.embedded import DEFAULT_MODELS, embedded_models
 from stages.kernels import disable_batch_invariant_kernels
 
-UNET, DIT, SDXL, FLUX = embedded_models("diffusion")
+UNET, DIT, SDXL, FLUX, QWEN = embedded_models("diffusion")
 TRAINED = DEFAULT_MODELS["diffusion"]
 
 
-FAMILIES = {"unet": UNET, "sdxl": SDXL, "dit": DIT, "flux": FLUX}
+FAMILIES = {"unet": UNET, "sdxl": SDXL, "dit": DIT, "flux": FLUX, "qwen": QWEN}
 
 
 @pytest.fixture(scope="module", params=[*((model, True) for model in FAMILIES.values()), (TRAINED, True),
                                         *((model, False) for model in FAMILIES.values())],
                 ids=[*(f"{name}-on" for name in FAMILIES), "trained-on", *(f"{name}-control" for name in FAMILIES)])
 def engine(request):
-    """A step engine on each tiny pipeline (random weights: SD, SDXL, SD3, FLUX; and the trained default), kernels on and
+    """A step engine on each tiny pipeline (random weights: SD, SDXL, SD3, FLUX, Qwen-Image; and the trained default), kernels on and
     off (the control); `engine.invariant` says which."""
     model, invariant = request.param
     disable_batch_invariant_kernels()

@@ -9,12 +9,16 @@ from stages.audit.diffusion import audit_model, batches
 from stages.embedded import embedded_models
 from stages.kernels import current_report
 
-UNET, DIT, SDXL, FLUX = embedded_models("diffusion")
+UNET, DIT, SDXL, FLUX, QWEN = embedded_models("diffusion")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["engine", "pipeline"])
-@pytest.mark.parametrize("model", [UNET, DIT, SDXL, FLUX])
+@pytest.mark.parametrize(
+    "model,path",
+    # Qwen-Image's own pipeline pads a batch's prompts (the pipeline path's neighbours have other lengths), so request
+    # batching groups it by prompt length: tests/stages/test_model_directory.py checks that, with its control.
+    [(model, path) for model in (UNET, DIT, SDXL, FLUX) for path in ("engine", "pipeline")] + [(QWEN, "engine")],
+)
 def test_diffusion_audit_kernels_on_bit_identical_and_control_differs(model, path):
     runs, examples = audit_model(
         model, batch_sizes=(1, 2, 5, 8), orderings=("first", "last", "shuffled", "mutated-neighbour"),

@@ -23,7 +23,7 @@ from stages.embedded import embedded_models
 
 pytestmark = pytest.mark.slow
 
-UNET, DIT, SDXL, FLUX = embedded_models("diffusion")
+UNET, DIT, SDXL, FLUX, QWEN = embedded_models("diffusion")
 REQUESTS = [("a red fox in the snow", 42), ("a lighthouse at dusk", 7), ("two cats asleep", 99), ("a bowl of ramen", 1234)]
 STEPS = {"num_inference_steps": 3, "height": 64, "width": 64}
 TIMEOUT_S = 240
@@ -118,8 +118,10 @@ def test_diffusion_control_invariance_off_cobatched_bytes_differ(request, model)
 # --- a family served from a model directory, as a user has one ------------------------------------
 
 
-#: Unlike the target: other step counts, guidance (one without), seeds, a negative prompt (with FLUX's true CFG,
-#: which other pipelines refuse), half the target's side; the others at the target's side, so that they share its
+#: Families with true CFG (a second branch on a negative prompt) and size packing.
+TRUE_CFG = ("flux", "qwen")
+#: Unlike the target: other step counts, guidance (one without), seeds, a negative prompt (with true CFG for FLUX and
+#: Qwen-Image, which other pipelines refuse), half the target's side; the others at the target's side, so that they share its
 #: forwards on every family.
 UNLIKE = [{"num_inference_steps": 5}, {"guidance_scale": 1.0}, {"num_inference_steps": 2, "negative_prompt": "dark"},
           {"half_size": True}]
@@ -134,7 +136,7 @@ def _target_cobatched_and_alone(handle, kind: str, side: int):
     alone = generate(handle, *target, height=side, width=side)
     streams = [render(handle, job(target[0], {"seed": target[1], **STEPS, "height": side, "width": side}))]
     for i, extra in enumerate(UNLIKE):
-        extra = dict(extra, true_cfg_scale=3.0) if kind == "flux" and "negative_prompt" in extra else dict(extra)
+        extra = dict(extra, true_cfg_scale=3.0) if kind in TRUE_CFG and "negative_prompt" in extra else dict(extra)
         neighbour_side = side // 2 if extra.pop("half_size", False) else side
         params = {"seed": 100 + i, **STEPS, "height": neighbour_side, "width": neighbour_side, **extra}
         streams.append(render(handle, job(f"neighbour {i}", params)))
@@ -146,7 +148,7 @@ def _target_cobatched_and_alone(handle, kind: str, side: int):
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["on", "control"])
-@pytest.mark.parametrize("kind", ["sdxl", "flux"])
+@pytest.mark.parametrize("kind", ["sdxl", "flux", "qwen"])
 def test_a_family_from_a_model_directory_cobatched_with_unlike_neighbours_gives_its_solo_bytes(serve_instance, kind,
                                                                                                 batch_invariant):
     from stages.embedded.diffusion import tiny_pipeline_path
@@ -156,7 +158,8 @@ def test_a_family_from_a_model_directory_cobatched_with_unlike_neighbours_gives_
     with deployed(name, directory, batch_invariant=batch_invariant, max_batch_size=5) as handle:
         described = handle.describe.remote().result(timeout_s=60)
         assert described.model == directory and described.details["batching"]["mode"] == "step"
-        assert described.details["batching"]["packs_sizes"] == (kind == "flux")  # FLUX: the smaller one shares forwards
+        # FLUX and Qwen-Image: the smaller one shares forwards.
+        assert described.details["batching"]["packs_sizes"] == (kind in TRUE_CFG)
         if batch_invariant:
             together, alone = _target_cobatched_and_alone(handle, kind, SIDES[0])
             assert together.png == alone.png

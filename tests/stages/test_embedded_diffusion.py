@@ -183,7 +183,7 @@ def test_tiny_pipeline_unknown_kind_is_refused():
         tiny_pipeline_path("vqgan")
 
 
-@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "pixart"])  # PixArt's one tokenizer is T5's
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind not in ("pixart", "qwen")])  # CLIP's first tokenizer
 def test_tiny_pipeline_tokenizer_takes_any_text_and_truncates_to_77(kind, pipelines):
     tokenizer = pipelines[kind].tokenizer
     long_prompt = "Ünïcode, emoji 🦊 and\ttabs! " * 10
@@ -191,6 +191,17 @@ def test_tiny_pipeline_tokenizer_takes_any_text_and_truncates_to_77(kind, pipeli
     assert len(ids) == 77
     assert (ids[0], ids[-1]) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
     assert tokenizer.unk_token_id not in ids[1:-1]
+
+
+def test_tiny_qwen_tokenizer_takes_any_text_and_its_template_prefix_is_the_34_tokens_the_pipeline_drops(pipelines):
+    pipe = pipelines["qwen"]
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
+    text = "Ünïcode, emoji 🦊 and\ttabs!"
+    ids = pipe.tokenizer(text).input_ids
+    assert pipe.tokenizer.decode(ids) == text  # byte-level: nothing unknown, nothing lost
+    template = pipe.tokenizer(pipe.prompt_template_encode.format(text)).input_ids
+    assert template[34 : 34 + len(ids)] == ids  # what the encoder keeps is the prompt's own tokens, then the suffix
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -28,7 +28,7 @@ from stages.embedded import embedded_models
 from .test_step_engine import check
 
 pytestmark = pytest.mark.slow
-UNET, DIT, SDXL, FLUX = embedded_models("diffusion")
+UNET, DIT, SDXL, FLUX, QWEN = embedded_models("diffusion")
 TARGET = ("the same fox, at night", 42)
 
 

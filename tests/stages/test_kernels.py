@@ -125,6 +125,49 @@ def attention_case(dtype, heads=2, queries=24, keys=40, dim=16, masked=False):
     return fn, make
 
 
+def token_norm_case(dtype, kind="rms", width=32):
+    """The per-token norms of the DiT families and the Qwen2.5-VL encoder: RMSNorm (diffusers', over the last dim, as
+    FLUX's and Qwen-Image's query/key norms and Qwen-Image's text norm use it) and LayerNorm without affine (the
+    blocks' norms). Stock kernels: nothing of ours replaces them."""
+    from diffusers.models.normalization import RMSNorm
+
+    norm = RMSNorm(width, eps=1e-6).to(dtype) if kind == "rms" else torch.nn.LayerNorm(width, elementwise_affine=False)
+    with torch.no_grad():
+        if kind == "rms":
+            norm.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(8)))
+    fn = lambda x: norm(x).detach()  # noqa: E731
+    make = lambda count, gen: torch.randn(count, 19, 2, width, generator=gen).to(dtype)  # noqa: E731
+    return fn, make
+
+
+def rope_case(dtype, kind="complex", tokens=21, heads=2, dim=16):
+    """Rotary embeddings as the DiT families apply them: Qwen-Image's complex product (`apply_rotary_emb_qwen`) and
+    FLUX's cos/sin form (`apply_rotary_emb`), over (batch, tokens, heads, dim) with one table for every row."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    angles = torch.rand(tokens, dim // 2, generator=torch.Generator().manual_seed(9)) * 6.28
+    if kind == "complex":
+        table = torch.polar(torch.ones_like(angles), angles)
+        fn = lambda x: apply_rotary_emb_qwen(x, table, use_real=False)  # noqa: E731
+    else:
+        cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+        fn = lambda x: apply_rotary_emb(x, (cos, sin), sequence_dim=1)  # noqa: E731
+    make = lambda count, gen: torch.randn(count, tokens, heads, dim, generator=gen).to(dtype)  # noqa: E731
+    return fn, make
+
+
+def grouped_attention_case(dtype, heads=4, kv_heads=2, tokens=37, dim=8):
+    """The Qwen2.5-VL text encoder's attention: causal, 4 query heads sharing 2 key/value heads, head size 8."""
+
+    def fn(x):
+        q, k, v = x.split([heads, kv_heads, kv_heads], dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    make = lambda count, gen: torch.randn(count, heads + 2 * kv_heads, tokens, dim, generator=gen).to(dtype)  # noqa: E731
+    return fn, make
+
+
 # --- the report --------------------------------------------------------------------------
 
 
@@ -217,6 +260,13 @@ CASES = {
     "attention_masked": lambda dtype: attention_case(dtype, heads=3, queries=7, keys=77, dim=40, masked=True),
     # ATen's batched GEMM takes another path for one one-column matrix than for several.
     "linear_one_column": lambda dtype: linear_case(dtype, k=8, n=1, rows=33),
+    # What the DiT families (FLUX, Qwen-Image) and the Qwen2.5-VL encoder add: stock kernels, checked the same way.
+    "rms_norm": token_norm_case,
+    "layer_norm": lambda dtype: token_norm_case(dtype, kind="layer"),
+    "rope_complex": rope_case,
+    "rope_cos_sin": lambda dtype: rope_case(dtype, kind="real"),
+    "attention_dit_heads_of_16": lambda dtype: attention_case(dtype, heads=2, queries=45, keys=45, dim=16),
+    "attention_grouped_causal": grouped_attention_case,
 }
 # Each case's control is measured on the machine that runs it (test_kernels_off_control_...). On the
 # reference machine kind (2 cores, x86 AVX512, 2 torch threads) stock kernels varied for linear,

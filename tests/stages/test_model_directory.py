@@ -38,14 +38,14 @@ def test_a_pipeline_class_diffusers_lacks_is_named(tmp_path):
         check_model_directory(str(tmp_path))
 
 
-@pytest.mark.parametrize("kind", ["unet", "sdxl", "dit", "flux"])
+@pytest.mark.parametrize("kind", ["unet", "sdxl", "dit", "flux", "qwen"])
 def test_a_saved_pipeline_directory_loads_into_its_step_engine_family(kind):
     renderer = start(str(tiny_pipeline_path(kind)))
     assert renderer.family is not None, f"{kind}: the step engine does not drive {type(renderer.pipe).__name__}"
     check_model_directory("org/some-model")  # a hub id: diffusers' to resolve, not refused here
 
 
-def test_true_cfg_scale_is_for_flux_only_and_flux_takes_no_latents_and_whole_tokens_only():
+def test_true_cfg_scale_is_refused_by_pipelines_without_it_and_flux_takes_no_latents_and_whole_tokens_only():
     from contracts.errors import InvalidRequestError
     from contracts.sampling import DiffusionSamplingParams
 
@@ -118,3 +118,46 @@ def test_a_models_own_default_size_past_the_servers_limit_becomes_the_largest_sq
     assert roomy.defaults["height"] == 1024
     tight = DiffusionRenderer(DiffusionStageConfig(model=flux, batch_invariant=False, torch_threads=1, max_pixels=300 * 300))
     assert tight.defaults["height"] == 288  # a multiple of 16 (VAE 8 x FLUX's 2x2 packing), within the limit
+
+
+def test_qwen_image_takes_true_cfg_and_whole_tokens_and_refuses_one_step_naming_the_field():
+    from contracts.errors import InvalidRequestError
+    from contracts.sampling import DiffusionSamplingParams
+
+    qwen = start(str(tiny_pipeline_path("qwen")))
+    resolved = qwen.resolve(DiffusionSamplingParams(seed=1, height=48, width=80, num_inference_steps=2, true_cfg_scale=2.0))
+    assert (resolved.height, resolved.width, resolved.true_cfg_scale) == (48, 80, 2.0)  # 2x2 tokens of 8x latents: 16
+    with pytest.raises(InvalidRequestError, match="multiple of 16") as refused:
+        qwen.resolve(DiffusionSamplingParams(seed=1, height=64, width=40))
+    assert refused.value.param == "width"
+    # Its scheduler stretches the schedule to a terminal sigma: one step divides 0 by 0 in diffusers (a NaN image).
+    with pytest.raises(InvalidRequestError, match="at least 2") as refused:
+        qwen.resolve(DiffusionSamplingParams(seed=1, height=64, width=64, num_inference_steps=1))
+    assert refused.value.param == "num_inference_steps"
+
+
+def test_qwen_image_whole_request_batches_hold_prompts_of_one_length_which_keeps_their_bits():
+    """diffusers' QwenImagePipeline pads a batch's prompts to the longest and masks the padding; the masked attention
+    then gives a prompt other bits than alone, even with the kernels on (that is the control here: a batch mixing
+    lengths differs). Request batching therefore groups requests by their prompts' token counts
+    (`DiffusionRenderer.request_group`), and a batch of one length gives each request its solo bits."""
+    import numpy as np
+
+    from contracts.sampling import DiffusionSamplingParams
+    from stages.diffusion.renderer import Job
+    from stages.kernels import disable_batch_invariant_kernels
+
+    renderer = DiffusionRenderer(
+        DiffusionStageConfig(model=str(tiny_pipeline_path("qwen")), batch_invariant=True, torch_threads=1)
+    )
+    try:
+        def job(prompt, seed):
+            return Job(prompt, renderer.resolve(DiffusionSamplingParams(seed=seed, num_inference_steps=3)))
+
+        target, same_length, longer = job("a red fox", 1), job("a tin box", 2), job("a red fox in deep snow at dusk", 3)
+        assert renderer.request_group(target) == renderer.request_group(same_length) != renderer.request_group(longer)
+        alone = renderer.render([target])[0]
+        assert np.array_equal(renderer.render([target, same_length])[0], alone)
+        assert not np.array_equal(renderer.render([target, longer])[0], alone), "the control did not vary"
+    finally:
+        disable_batch_invariant_kernels()

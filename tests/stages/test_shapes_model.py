@@ -54,7 +54,7 @@ def region(shape, index) -> np.ndarray:
 def test_the_trained_model_is_the_default_and_the_random_ones_stay_for_the_audits():
     assert DEFAULT_MODELS["diffusion"] == "omniserve/tiny-shapes-sd" and EMBEDDED_MODELS["omniserve/tiny-shapes-sd"].trained
     assert embedded_models("diffusion") == ("omniserve/tiny-sd-unet", "omniserve/tiny-sd3-dit", "omniserve/tiny-sdxl-unet",
-                                              "omniserve/tiny-flux-dit")
+                                              "omniserve/tiny-flux-dit", "omniserve/tiny-qwen-image")
 
 
 def test_the_held_out_triples_never_appear_in_training_and_every_word_is_one_token():

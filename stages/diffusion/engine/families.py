@@ -5,6 +5,8 @@
     DiTFamily   StableDiffusion3Pipeline  (SD3Transformer2DModel; flow-matching Euler)
     FluxFamily  FluxPipeline              (FluxTransformer2DModel on packed latents with RoPE ids; flow matching with
                                            the resolution-dependent shift; distilled guidance, true CFG on request)
+    QwenImageFamily QwenImagePipeline     (QwenImageTransformer2DModel, an MMDiT over packed latents and a Qwen2.5-VL
+                                           prompt of its own length; true CFG with its norm rescale; a 3-D VAE)
 
 Each family does what its pipeline's `__call__` does, in the same order and with the same functions
 (`encode_prompt`, `randn_tensor`, `retrieve_timesteps`, `scale_model_input`, the guidance formula, the VAE
@@ -33,6 +35,8 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     FluxImg2ImgPipeline,
     FluxPipeline,
+    QwenImageImg2ImgPipeline,
+    QwenImagePipeline,
     StableDiffusion3Img2ImgPipeline,
     StableDiffusionImg2ImgPipeline,
     StableDiffusionXLImg2ImgPipeline,
@@ -40,7 +44,7 @@ from diffusers import (
 from diffusers.utils.torch_utils import randn_tensor
 
 from .img2img import prepare_edit
-from .packing import PackedFluxAttnProcessor, PackedRows, padded
+from .packing import PackedFluxAttnProcessor, PackedQwenAttnProcessor, PackedRows, PackedStreams, padded
 from .sample import Sample, seeded_generator
 
 #: From this many pixels per image the VAE decodes a batch one image at a time: a batched decode's
@@ -50,14 +54,15 @@ SLICED_DECODE_PIXELS = 128 * 128
 
 
 @contextmanager
-def vae_slicing(vae, height: int, width: int) -> Iterator[None]:
-    """The one slicing rule, for one decode of images of `height` x `width`: the VAE's setting restored after it,
-    so a decode never depends on the one before."""
+def vae_slicing(vae, height: int, width: int, *, alone: bool = False) -> Iterator[None]:
+    """The one slicing rule, for one decode of images of `height` x `width` (`alone`: one image at a time whatever
+    the size, for a VAE whose batched decode is not batch-invariant): the VAE's setting restored after it, so a
+    decode never depends on the one before."""
     if not hasattr(vae, "use_slicing"):
         yield
         return
     before = vae.use_slicing
-    vae.use_slicing = height * width >= SLICED_DECODE_PIXELS
+    vae.use_slicing = alone or height * width >= SLICED_DECODE_PIXELS
     try:
         yield
     finally:
@@ -104,6 +109,17 @@ class Family:
     #: Whether samples of different image sizes may share a denoiser call (FLUX: token sequences padded, attention
     #: per sample, `stages.diffusion.engine.packing`); else a call holds one latent shape.
     packs_sizes = False
+    #: Whether the VAE decodes one image at a time at every size (Qwen-Image's 3-D VAE: its batched decode gave other
+    #: bits, measured: 5 of 144 images of a mixed load differed between request batching and the step engine).
+    decodes_alone = False
+    #: Whether the diffusers pipeline, given a batch, pads its prompts to the longest and masks the padding (Qwen-Image):
+    #: the masked attention's bits then follow the batch's longest prompt, so whole-request batches must hold prompts of
+    #: one token count (`token_counts`; the step engine encodes them so anyway).
+    pads_prompts = False
+
+    def token_counts(self, prompts: list[str]) -> list[int]:
+        """Each prompt's token count as the pipeline encodes it (only families that pad prompts need it)."""
+        raise NotImplementedError
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -157,13 +173,17 @@ class Family:
     def decode(self, latents: torch.Tensor, shape: tuple[int, int]):
         """Latents of images of `shape` (height, width) -> float images (N, H, W, 3) in [0, 1]."""
         vae = self.pipe.vae
-        with vae_slicing(vae, *shape):
-            image = vae.decode(self.to_vae(self.unpack(latents, shape)), return_dict=False)[0]
+        with vae_slicing(vae, *shape, alone=self.decodes_alone):
+            image = self.frame(vae.decode(self.to_vae(self.unpack(latents, shape)), return_dict=False)[0])
         return self.pipe.image_processor.postprocess(image, output_type="np", do_denormalize=[True] * image.shape[0])
 
     def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """The VAE's (N, C, h, w) from the denoiser's latents (packed ones unpacked: FLUX)."""
         return latents
+
+    def frame(self, decoded: torch.Tensor) -> torch.Tensor:
+        """The images (N, 3, H, W) from what the VAE decoded (a 3-D VAE's first frame: Qwen-Image)."""
+        return decoded
 
 
 class UNetFamily(Family):
@@ -353,16 +373,25 @@ class FluxFamily(Family):
     def __init__(self, pipe):
         super().__init__(pipe)
         # diffusers' processor when a call holds one size; per-sample attention when it holds several.
-        self.denoiser.set_attn_processor(PackedFluxAttnProcessor())
+        self.denoiser.set_attn_processor(self.attention_processor())
+        #: The pipeline's own `true_cfg_scale` default, for a request that names none (FLUX: 1.0, Qwen-Image: 4.0).
+        self.true_cfg_default = float(inspect.signature(type(pipe).__call__).parameters["true_cfg_scale"].default)
+
+    @staticmethod
+    def attention_processor():
+        return PackedFluxAttnProcessor()
 
     @classmethod
     def serves(cls, pipe) -> bool:
         return type(pipe).__name__ == "FluxPipeline"
 
-    @staticmethod
-    def true_cfg(sample: Sample) -> bool:
+    def true_cfg_scale(self, sample: Sample) -> float:
+        scale = sample.params.true_cfg_scale
+        return self.true_cfg_default if scale is None else scale
+
+    def true_cfg(self, sample: Sample) -> bool:
         """diffusers' `do_true_cfg`: a negative prompt and a true CFG scale above 1."""
-        return (sample.params.true_cfg_scale or 1.0) > 1.0 and sample.params.negative_prompt is not None
+        return self.true_cfg_scale(sample) > 1.0 and sample.params.negative_prompt is not None
 
     def _encode(self, prompts: list[str]):
         return self.pipe.encode_prompt(
@@ -405,7 +434,9 @@ class FluxFamily(Family):
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
-        return _timesteps(sample.scheduler, steps, self.device, sigmas, mu=mu)
+        timesteps = _timesteps(sample.scheduler, steps, self.device, sigmas, mu=mu)
+        sample.scheduler.set_begin_index(0)  # as the pipeline's `__call__` does (an edit's preparation moves it)
+        return timesteps
 
     def initial_latents(self, sample: Sample) -> torch.Tensor:
         height, width = sample.shape
@@ -472,7 +503,7 @@ class FluxFamily(Family):
             prediction = prediction[:, :t]  # its own tokens: the padding dropped
             if len(prediction) == 2:
                 negative, positive = prediction.chunk(2)
-                prediction = negative + cast(float, sample.params.true_cfg_scale) * (positive - negative)
+                prediction = negative + self.true_cfg_scale(sample) * (positive - negative)
             predictions.append(prediction)
         return predictions
 
@@ -483,7 +514,143 @@ class FluxFamily(Family):
         return latents / self.pipe.vae.config.scaling_factor + self.pipe.vae.config.shift_factor
 
 
-FAMILIES = (UNetFamily, SDXLFamily, DiTFamily, FluxFamily)
+class QwenImageFamily(FluxFamily):
+    """QwenImagePipeline: FLUX's packed 2x2 latents, sigmas and resolution shift, with its own MMDiT call. Its prompt is
+        the Qwen2.5-VL encoder's last hidden state over the chat template, without the template's system prefix, so every
+        prompt has its own length: a call's text is padded to the longest like its image tokens, and attention runs per
+        row over that row's own text and image (`PackedQwenAttnProcessor`) with the RoPE tables its solo call computes.
+        No distilled guidance (a request's `guidance_scale` is ignored, as diffusers ignores it); with a negative prompt
+        and `true_cfg_scale` > 1 (the pipeline's default: 4), a second row on the negative prompt, combined and rescaled
+        to the positive prediction's norm as diffusers does. The VAE is 3-D (one frame) and decodes one image at a time
+    (`decodes_alone`)."""
+
+    edit_pipeline = QwenImageImg2ImgPipeline
+    #: QwenImagePipeline's default `max_sequence_length`.
+    max_sequence_length = 512
+    pads_prompts = True
+    decodes_alone = True
+
+    @staticmethod
+    def attention_processor():
+        return PackedQwenAttnProcessor()
+
+    @classmethod
+    def serves(cls, pipe) -> bool:
+        return type(pipe).__name__ == "QwenImagePipeline" and not pipe.transformer.config.guidance_embeds
+
+    def token_counts(self, prompts: list[str]) -> list[int]:
+        """Tokens of each prompt in its chat template, as `_get_qwen_prompt_embeds` tokenizes it."""
+        pipe = self.pipe
+        tokens = pipe.tokenizer(
+            [pipe.prompt_template_encode.format(p) for p in prompts],
+            max_length=pipe.tokenizer_max_length + pipe.prompt_template_encode_start_idx,
+            truncation=True,
+        ).input_ids
+        return [len(t) for t in tokens]
+
+    def _embed(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Each prompt's embeddings (1, its length, D). Prompts of one token count are encoded together, so no row is
+        padded: a padded row's attention would reduce over more keys than its solo encoding does."""
+        pipe = self.pipe
+        counts = self.token_counts(prompts)
+        embedded: dict[int, torch.Tensor] = {}
+        for length in dict.fromkeys(counts):
+            same = [i for i, n in enumerate(counts) if n == length]
+            embeds, _ = pipe.encode_prompt(
+                [prompts[i] for i in same], self.device, 1, max_sequence_length=self.max_sequence_length
+            )
+            embedded.update((i, embeds[j : j + 1]) for j, i in enumerate(same))
+        return [embedded[i] for i in range(len(prompts))]
+
+    def encode(self, samples: list[Sample]) -> None:
+        twice = [s for s in samples if self.true_cfg(s)]
+        texts = self._embed([s.prompt for s in samples] + [cast(str, s.params.negative_prompt) for s in twice])
+        negatives = dict(zip(twice, texts[len(samples) :], strict=True))
+        for sample, text in zip(samples, texts, strict=False):
+            # Its rows' prompts, in the order of its rows: [negative, positive] with true CFG, else [positive].
+            sample.conditioning = {
+                "encoder_hidden_states": text,
+                "rows": [negatives[sample], text] if sample in negatives else [text],
+            }
+
+    def initial_latents(self, sample: Sample) -> torch.Tensor:
+        height, width = sample.shape
+        return self.pipe.prepare_latents(
+            1, self.denoiser.config.in_channels // 4, height, width, self.dtype, self.device, sample.generator
+        )
+
+    def edit_latents(self, stand_in: Any, sample: Sample, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # QwenImageImg2ImgPipeline.prepare_latents reads more of its pipeline than the VAE and scheduler.
+        stand_in.vae_scale_factor = self.pipe.vae_scale_factor
+        stand_in.latent_channels = self.pipe.vae.config.z_dim
+        stand_in._pack_latents = QwenImagePipeline._pack_latents
+        stand_in._encode_vae_image = functools.partial(QwenImageImg2ImgPipeline._encode_vae_image, stand_in)
+        height, width = sample.shape
+        channels = self.denoiser.config.in_channels // 4
+        return QwenImageImg2ImgPipeline.prepare_latents(
+            stand_in, sample.image, timestep, 1, channels, height, width, dtype, self.device, sample.generator
+        )
+
+    def image_shape(self, sample: Sample) -> list[tuple[int, int, int]]:
+        """QwenImagePipeline's `img_shapes` entry: (frames, token rows, token columns)."""
+        height, width = sample.shape
+        side = self.pipe.vae_scale_factor * self.latent_packing
+        return [(1, height // side, width // side)]
+
+    def denoise(self, samples: list[Sample]) -> list[torch.Tensor]:
+        rows = [(s, text) for s in samples for text in s.conditioning["rows"]]
+        images = [s.latents.shape[1] for s, _ in rows]
+        texts = [text.shape[1] for _, text in rows]
+        packed = None
+        if len(set(images)) > 1 or len(set(texts)) > 1:
+            # The RoPE tables each row's solo call computes (QwenImageTransformer2DModel.forward), one per row.
+            packed = PackedStreams(
+                text=tuple(texts),
+                image=tuple(images),
+                rotary=tuple(
+                    self.denoiser.pos_embed([self.image_shape(s)], max_txt_seq_len=n, device=self.device)
+                    for (s, _), n in zip(rows, texts, strict=True)
+                ),
+            )
+        longest = rows[images.index(max(images))][0]
+        output = self.denoiser(
+            hidden_states=torch.cat([padded(s.latents, max(images)) for s, _ in rows]),
+            # diffusers: the timestep in the latents' dtype, then / 1000.
+            timestep=torch.cat([s.timestep.expand(1).to(s.latents.dtype) for s, _ in rows]) / 1000,
+            encoder_hidden_states=torch.cat([padded(text, max(texts)) for _, text in rows]),
+            encoder_hidden_states_mask=None,  # packed: each row attends to its own text; else no row is padded
+            img_shapes=[self.image_shape(longest)] * len(rows),
+            attention_kwargs={"packed": packed} if packed else None,
+            return_dict=False,
+        )[0]
+        predictions, counts = [], [len(s.conditioning["rows"]) for s in samples]
+        for sample, prediction in zip(samples, output.split(counts), strict=True):
+            prediction = prediction[:, : sample.latents.shape[1]]  # its own tokens: the padding dropped
+            if len(prediction) == 2:
+                negative, positive = prediction.chunk(2)
+                combined = negative + self.true_cfg_scale(sample) * (positive - negative)
+                # diffusers: the guided prediction rescaled, token by token, to the positive prediction's norm.
+                scale = torch.norm(positive, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
+                prediction = combined * scale
+            predictions.append(prediction)
+        return predictions
+
+    def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        return self.pipe._unpack_latents(latents, *shape, self.pipe.vae_scale_factor)  # (N, C, 1 frame, h, w)
+
+    def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.pipe.vae.config
+        latents = latents.to(self.pipe.vae.dtype)
+        view = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(view).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(config.latents_std).view(view).to(latents.device, latents.dtype)
+        return latents / std + mean  # diffusers' order of operations: divided by the inverse
+
+    def frame(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded[:, :, 0]  # (N, 3, 1 frame, H, W)
+
+
+FAMILIES = (UNetFamily, SDXLFamily, DiTFamily, FluxFamily, QwenImageFamily)
 
 
 def family_for(pipe) -> Family | None:

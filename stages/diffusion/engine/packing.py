@@ -1,4 +1,5 @@
-"""Images of different sizes in one FLUX denoiser call: token sequences padded to the longest, attention per sample.
+"""Images of different sizes in one FLUX or Qwen-Image denoiser call: token sequences padded to the longest, attention
+per sample.
 
 A FLUX transformer mixes tokens only in attention; every other layer (the embedders, the blocks' norms, modulation
 and feed-forwards, the output projection) works token by token, with each sample's own modulation. So samples whose
@@ -8,6 +9,10 @@ alone, padding or not), and attention runs once per sample over that sample's ow
 no padding) with its own RoPE table, exactly the call a solo render makes. The padded rows are computed and
 dropped; nothing reads them. xDiT and vLLM-Omni group by resolution instead; the padding costs compute, which
 `omniserve bench --load mixed-sizes` weighs against waiting for a same-size partner.
+
+Qwen-Image's MMDiT is built the same way, with two padded streams: its prompt embeddings have each prompt's own length
+(FLUX pads T5 to a fixed 512), so its text is padded too, and a row's attention runs over its own text, then its own
+image tokens, with the two RoPE tables (image, text) its solo call computes.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
+from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0, apply_rotary_emb_qwen
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,85 @@ class PackedFluxAttnProcessor(FluxAttnProcessor):
         )
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
         return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
+
+
+@dataclass(frozen=True)
+class PackedStreams:
+    """Per row of a padded two-stream call (Qwen-Image): its real text and image token counts and its RoPE tables
+    (image, text), as `QwenEmbedRope` gives them for its solo call."""
+
+    text: tuple[int, ...]
+    image: tuple[int, ...]
+    rotary: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+class PackedQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
+    """QwenDoubleStreamAttnProcessor2_0, with attention per row over its own text and image tokens when the call is
+    packed (`packed` given); without it, diffusers' own processor, unchanged."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+        packed: PackedStreams | None = None,
+    ):
+        if packed is None:
+            # cast: diffusers annotates these FloatTensor, with None defaults.
+            return super().__call__(
+                attn,
+                hidden_states,
+                cast(Any, encoder_hidden_states),
+                cast(Any, encoder_hidden_states_mask),
+                attention_mask,
+                image_rotary_emb,
+            )
+        text = cast(torch.Tensor, encoder_hidden_states)
+        # QwenDoubleStreamAttnProcessor2_0.__call__, line for line, but for the attention call and RoPE (per row).
+        head_dim = attn.inner_dim // attn.heads
+        image_qkv = [proj(hidden_states).unflatten(-1, (-1, head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v)]
+        text_qkv = [
+            proj(text).unflatten(-1, (-1, head_dim)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        ]
+        for qkv, norms in ((image_qkv, (attn.norm_q, attn.norm_k)), (text_qkv, (attn.norm_added_q, attn.norm_added_k))):
+            for i, norm in enumerate(norms):
+                if norm is not None:
+                    qkv[i] = norm(qkv[i])
+        image_out, text_out = torch.zeros_like(image_qkv[0]), torch.zeros_like(text_qkv[0])  # padding: zeros, dropped
+        for row, (texts, images, (image_freqs, text_freqs)) in enumerate(
+            zip(packed.text, packed.image, packed.rotary, strict=True)
+        ):
+            at = slice(row, row + 1)
+            # Query and key rotated, each stream by its own table, as its solo call does; then [text, image].
+            query, key = (
+                torch.cat(
+                    [
+                        apply_rotary_emb_qwen(text_qkv[i][at, :texts], text_freqs, use_real=False),
+                        apply_rotary_emb_qwen(image_qkv[i][at, :images], image_freqs, use_real=False),
+                    ],
+                    dim=1,
+                )
+                for i in (0, 1)
+            )
+            value = torch.cat([text_qkv[2][at, :texts], image_qkv[2][at, :images]], dim=1)
+            out = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=None,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            ).to(query.dtype)
+            text_out[at, :texts], image_out[at, :images] = out[:, :texts], out[:, texts:]
+        image_attn = attn.to_out[0](image_out.flatten(2, 3).contiguous())
+        if len(attn.to_out) > 1:
+            image_attn = attn.to_out[1](image_attn)  # dropout
+        return image_attn, attn.to_add_out(text_out.flatten(2, 3).contiguous())
 
 
 def _rotated(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
