@@ -1,0 +1,145 @@
+"""LoRA adapters applied per row of a denoiser call, without merging (issue 24, item 3: the mechanism).
+
+The base weights stay untouched. Each adapted layer (an `nn.Linear` an adapter names) gets a forward hook that adds,
+to each row of its output, that row's adapters' low-rank updates, `scale * B(A x)`, one adapter after another in the
+order the row's request lists them. Rows are grouped per list position and adapter, so one call serves rows with
+adapter A, adapter B, both, or none: each group's update is two GEMMs over its own rows only (Punica / S-LoRA's
+segmented form, without their custom kernels). With the batch-invariant kernels a row's GEMM bits do not depend on the
+other rows, and indexing and adding are elementwise, so a row's bits are those of its solo call. A row without an
+adapter is never touched: the base layer's output, at no extra cost.
+
+Adapters are read from the diffusers/PEFT LoRA format (`<component>.<module path>.lora_A.weight` /
+`.lora_B.weight`, an optional `.alpha` per module, else alpha = rank); `load_adapter` passes a file through the
+pipeline's own `lora_state_dict`, which converts kohya-style and older diffusers keys to that form.
+
+Not wired into requests yet: admission, the adapters directory, the cache and provenance are the rest of issue 24.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class LoraFormatError(ValueError):
+    """An adapter's weights do not fit the model: a layer it names is missing or of the wrong kind or shape."""
+
+
+@dataclass(frozen=True)
+class LoraLayer:
+    down: torch.Tensor  # A: (rank, in_features)
+    up: torch.Tensor  # B: (out_features, rank)
+    scale: float  # alpha / rank
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    sha256: str  # of its weights file: what provenance names
+    layers: Mapping[str, LoraLayer]  # the denoiser's module path -> its update
+
+
+#: One row's adapters, in the order its request lists them: (adapter, the request's scale).
+RowAdapters = tuple[tuple[LoraAdapter, float], ...]
+
+
+def adapter_from_state_dict(
+    name: str, sha256: str, state_dict: Mapping[str, torch.Tensor], component: str
+) -> LoraAdapter:
+    """The updates of `component` ("unet", "transformer") from PEFT-format keys; other components' keys are left."""
+    prefix = f"{component}."
+    downs = {
+        k[len(prefix) : -len(".lora_A.weight")]: v
+        for k, v in state_dict.items()
+        if k.startswith(prefix) and k.endswith(".lora_A.weight")
+    }
+    layers = {}
+    for path, down in downs.items():
+        up = state_dict.get(f"{prefix}{path}.lora_B.weight")
+        if up is None or down.dim() != 2 or up.dim() != 2 or up.shape[1] != down.shape[0]:
+            raise LoraFormatError(f"adapter {name!r}: {path} has no matching lora_B of rank {down.shape[0]}")
+        alpha = state_dict.get(f"{prefix}{path}.alpha")
+        rank = down.shape[0]
+        layers[path] = LoraLayer(down, up, (float(alpha) if alpha is not None else float(rank)) / rank)
+    if not layers:
+        raise LoraFormatError(f"adapter {name!r} adapts no layer of the {component}")
+    return LoraAdapter(name, sha256, layers)
+
+
+def load_adapter(path: Path, name: str, pipeline_class: Any, component: str) -> LoraAdapter:
+    """An adapter file as the pipeline class reads it (`lora_state_dict`: kohya and older diffusers keys converted)."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    state_dict, alphas = pipeline_class.lora_state_dict(str(path.parent), weight_name=path.name)[:2]
+    state_dict = convert_unet_state_dict_to_peft(dict(state_dict))
+    for key, alpha in (alphas or {}).items():  # kohya's per-module alphas, keyed by the module
+        state_dict[f"{key.removesuffix('.alpha')}.alpha"] = torch.tensor(alpha)
+    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    return adapter_from_state_dict(name, sha256, state_dict, component)
+
+
+class RowLora:
+    """The per-row updates of one denoiser: hooks on the layers adapters name, and which adapters each row of the
+    current call uses (`rows`)."""
+
+    def __init__(self, denoiser: torch.nn.Module):
+        self.denoiser = denoiser
+        self._hooked: dict[str, Any] = {}
+        self._rows: Sequence[RowAdapters] = ()
+
+    def attach(self, adapter: LoraAdapter) -> None:
+        """Hook every layer `adapter` names (once per layer, whatever the adapters); refuse one that does not fit."""
+        for path, layer in adapter.layers.items():
+            try:
+                module = self.denoiser.get_submodule(path)
+            except AttributeError:
+                raise LoraFormatError(f"adapter {adapter.name!r} names {path}, which this model lacks") from None
+            if not isinstance(module, torch.nn.Linear):
+                raise LoraFormatError(f"adapter {adapter.name!r}: {path} is a {type(module).__name__}, not a Linear")
+            if layer.down.shape[1] != module.in_features or layer.up.shape[0] != module.out_features:
+                raise LoraFormatError(f"adapter {adapter.name!r}: {path}'s shapes do not fit the layer")
+            if path not in self._hooked:
+                self._hooked[path] = module.register_forward_hook(self._hook(path))
+
+    @contextmanager
+    def rows(self, assignment: Sequence[RowAdapters]) -> Iterator[None]:
+        """For the calls inside: row i of the denoiser's batch uses `assignment[i]` (empty: no adapter)."""
+        self._rows = assignment
+        try:
+            yield
+        finally:
+            self._rows = ()
+
+    def _hook(self, path: str):
+        def add_updates(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
+            if not any(self._rows):
+                return None
+            (x,) = inputs
+            if x.shape[0] != len(self._rows):
+                raise RuntimeError(f"{path}: {x.shape[0]} rows, {len(self._rows)} assigned")
+            # Position by position, so each row adds its updates in its own list order; within a position, the rows
+            # of one (adapter, scale) together.
+            for position in range(max(len(r) for r in self._rows)):
+                groups: dict[tuple[int, float], list[int]] = {}
+                for row, adapters in enumerate(self._rows):
+                    if position < len(adapters):
+                        adapter, scale = adapters[position]
+                        groups.setdefault((id(adapter), scale), []).append(row)
+                for (_, scale), members in groups.items():
+                    adapter = self._rows[members[0]][position][0]
+                    layer = adapter.layers.get(path)
+                    if layer is None:
+                        continue
+                    index = torch.tensor(members, device=x.device)
+                    down, up = layer.down.to(x.dtype), layer.up.to(x.dtype)
+                    update = torch.nn.functional.linear(torch.nn.functional.linear(x[index], down), up)
+                    output[index] = output[index] + update * (scale * layer.scale)
+            return output
+
+        return add_updates
