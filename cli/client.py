@@ -137,6 +137,9 @@ def reproduction(record: ImageRecord) -> dict:
         "scheduler": p.scheduler,
         "sigmas": p.sigmas,
         "generator_device": p.generator_device,
+        "true_cfg_scale": p.true_cfg_scale,
+        # Each adapter with the sha256 of the weights that rendered it: a replica whose file differs refuses (400).
+        "lora": [choice.model_dump() for choice in p.lora] if p.lora else None,
     }
     return body | {k: v for k, v in extra.items() if v is not None}
 

@@ -131,6 +131,11 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     # Step batching of a family that packs sizes (FLUX): samples of different image sizes share a forward (padded
     # tokens, attention per sample); false: one latent shape per forward, as for the other families.
     pack_sizes: bool = True
+    # LoRA adapters a request may name (`lora`): `<name>.safetensors` or `<name>/pytorch_lora_weights.safetensors` in
+    # this directory, in the diffusers/PEFT or kohya formats; loaded on first use and kept, least recently used
+    # dropped first, within `lora_cache_mib` of weights. None: no adapters.
+    lora_dir: str | None = None
+    lora_cache_mib: Annotated[int, Field(ge=1)] = 256
     defaults: DiffusionDefaults = Field(default_factory=DiffusionDefaults)
     warm_up: bool = True
     # The health check fails (and Serve replaces the replica) when one step of the step engine, or one whole

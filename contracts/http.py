@@ -458,6 +458,18 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class LoraCard(BaseModel):
+    """One LoRA adapter a request's `lora` may name (an extension: OpenAI has no adapters)."""
+
+    id: str
+    object: Literal["lora"] = "lora"
+
+
+class LoraList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LoraCard]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -111,6 +111,12 @@ Strength = Annotated[Finite, Field(gt=0.0, le=1.0)]
 #: An edit's strength when the request gives none (OpenAI's and diffusers' img2img default).
 DEFAULT_STRENGTH = 0.8
 
+#: LoRA adapters one request may compose (applied in the order given), and the bounds of a scale.
+MAX_LORAS = 4
+LoraName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+LoraScale = Annotated[Finite, Field(ge=-4.0, le=4.0)]
+Sha256 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+
 Temperature = Annotated[Finite, Field(ge=0.0, le=2.0)]
 TopP = Annotated[Finite, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=1, le=MAX_TOP_K)]
@@ -185,6 +191,25 @@ class ChatMessage(Contract):
 Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
+class LoraChoice(Contract):
+    """One adapter of a request: its name among the replica's adapters, its scale, and the sha256 of its weights file
+    (filled in by the replica that resolves it, so provenance names the weights; a request that gives one, as
+    `omniserve verify` does, is refused by a replica whose file differs)."""
+
+    name: LoraName
+    scale: LoraScale = 1.0
+    sha256: Sha256 | None = None
+
+
+def _distinct_adapters(choices: list[LoraChoice]) -> list[LoraChoice]:
+    if len({c.name for c in choices}) != len(choices):
+        raise PydanticCustomError("duplicate_lora", "each adapter may be named once (give one scale per adapter)")
+    return choices
+
+
+Loras = Annotated[list[LoraChoice], Field(min_length=1, max_length=MAX_LORAS), AfterValidator(_distinct_adapters)]
+
+
 @dataclass(frozen=True)
 class Served:
     """Where one image sampling field goes besides DiffusionSamplingParams, declared beside its type, so that a new
@@ -222,6 +247,8 @@ class DiffusionSamplingParams(Contract):
     generator_device: Annotated[GeneratorDevice | None, Served(batch="value")] = None
     latents: Annotated[Latents | None, Served(batch="presence")] = None
     sigmas: Annotated[Sigmas | None, Served(batch="value")] = None
+    # LoRA adapters (step engine only): each row's low-rank updates in its own call rows, the base weights untouched.
+    lora: Annotated[Loras | None, Served()] = None
 
 
 def image_fields(model: type[BaseModel] = DiffusionSamplingParams, **where: Any) -> dict[str, FieldInfo]:

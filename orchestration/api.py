@@ -57,6 +57,7 @@ from contracts.http import (
     ImageEditRequest,
     ImageGenerationRequest,
     ImagesResponse,
+    LoraList,
     ModelList,
     decode_json,
 )
@@ -274,6 +275,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models():
         return await respond(ingress.models())
+
+    @api.get("/v1/loras", response_model=LoraList, responses=ERRORS)
+    async def loras():
+        return await respond(ingress.loras())
 
     @api.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health():

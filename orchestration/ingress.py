@@ -5,6 +5,7 @@
     POST /v1/images/edits         the same, from an image (multipart): admit it -> ... the job carries the image
     POST /v1/chat/completions     the LLM stage alone
     GET  /v1/models               the served models, OpenAI's list format
+    GET  /v1/loras                the LoRA adapters a request's `lora` may name (an extension)
     GET  /health                  each stage running/degraded/down and why, switches, kernels, replica counts
 
 The HTTP side (typed routes, error handlers, the switch headers) is `orchestration.api`, built per
@@ -26,6 +27,8 @@ from contracts.http import (
     ChatCompletionResponse,
     ImageEditRequest,
     ImageGenerationRequest,
+    LoraCard,
+    LoraList,
     ModelCard,
     ModelList,
 )
@@ -89,6 +92,11 @@ class Ingress:
         return ModelList(
             data=[ModelCard(id=await self.served_model(stage), created=created, stage=stage) for stage in STAGES]
         )
+
+    async def loras(self) -> LoraList:
+        """The LoRA adapters a diffusion replica can load (replicas of one deployment share its adapters directory)."""
+        names = (await self.probe.describe("diffusion")).details.get("loras", [])
+        return LoraList(data=[LoraCard(id=name) for name in names])
 
     async def health(self) -> HealthResponse:
         report = await self.probe.report()

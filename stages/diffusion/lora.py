@@ -12,19 +12,37 @@ Adapters are read from the diffusers/PEFT LoRA format (`<component>.<module path
 `.lora_B.weight`, an optional `.alpha` per module, else alpha = rank); `load_adapter` passes a file through the
 pipeline's own `lora_state_dict`, which converts kohya-style and older diffusers keys to that form.
 
-Not wired into requests yet: admission, the adapters directory, the cache and provenance are the rest of issue 24.
+`AdapterLibrary` is one replica's adapters: a directory, read lazily into a least-recently-used cache bounded in
+bytes; it resolves a request's `lora` (unknown name: 404; a pinned sha256 that is not the file's: 400) and fills in
+each adapter's sha256, which provenance then carries.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+
+from contracts.errors import InvalidRequestError, ModelNotFoundError, OmniError
+from contracts.sampling import LoraChoice
+
+logger = logging.getLogger("ray.serve")
+
+
+class LoraNotFoundError(ModelNotFoundError):
+    """A request names an adapter this replica does not have (404)."""
+
+
+class LoraLoadError(OmniError):
+    """An adapter file that cannot be read or does not fit the model: the operator's problem (500), logged with it."""
 
 
 class LoraFormatError(ValueError):
@@ -143,3 +161,79 @@ class RowLora:
             return output
 
         return add_updates
+
+
+#: Where an adapter named `name` lives in the adapters directory, in the order looked for.
+ADAPTER_FILES = ("{name}.safetensors", "{name}/pytorch_lora_weights.safetensors")
+
+
+class AdapterLibrary:
+    """One replica's adapters: the files of `directory`, loaded on first use and kept, least recently used dropped
+    first, within `budget_bytes` of weights (the one just loaded always stays)."""
+
+    def __init__(self, directory: str | None, pipeline_class: Any, component: str, budget_bytes: int):
+        self.directory = Path(directory) if directory else None
+        self.pipeline_class, self.component, self.budget_bytes = pipeline_class, component, budget_bytes
+        self._cache: OrderedDict[str, tuple[tuple[int, int], LoraAdapter]] = OrderedDict()
+        self._lock = threading.Lock()  # admission (the replica's loop) and the engine thread both read
+
+    def names(self) -> list[str]:
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        found = {p.stem for p in self.directory.glob("*.safetensors")}
+        found |= {p.parent.name for p in self.directory.glob("*/pytorch_lora_weights.safetensors")}
+        return sorted(found)
+
+    def path(self, name: str) -> Path:
+        for pattern in ADAPTER_FILES if self.directory else ():
+            candidate = cast(Path, self.directory) / pattern.format(name=name)
+            if candidate.is_file():
+                return candidate
+        raise LoraNotFoundError(
+            f"no LoRA adapter named {name!r} here; GET /v1/loras lists them", param="lora", code="lora_not_found"
+        )
+
+    def get(self, name: str) -> LoraAdapter:
+        """The adapter `name`, from the cache while its file is unchanged (size and mtime), else read again."""
+        path = self.path(name)
+        stat = path.stat()
+        stamp = (stat.st_size, stat.st_mtime_ns)
+        with self._lock:
+            kept = self._cache.get(name)
+            if kept is not None and kept[0] == stamp:
+                self._cache.move_to_end(name)
+                return kept[1]
+            try:
+                adapter = load_adapter(path, name, self.pipeline_class, self.component)
+            except Exception as err:
+                logger.exception("LoRA adapter %r at %s cannot be loaded", name, path)
+                raise LoraLoadError(f"LoRA adapter {name!r} cannot be loaded; the server's log names the file") from err
+            self._cache[name] = (stamp, adapter)
+            while len(self._cache) > 1 and sum(_size(a) for _, a in self._cache.values()) > self.budget_bytes:
+                self._cache.popitem(last=False)
+            return adapter
+
+    def resolve(self, choices: list[LoraChoice]) -> list[LoraChoice]:
+        """`choices` with each adapter's sha256; a given sha256 must be its file's."""
+        resolved = []
+        for choice in choices:
+            adapter = self.get(choice.name)
+            if choice.sha256 is not None and choice.sha256 != adapter.sha256:
+                raise InvalidRequestError(
+                    f"LoRA adapter {choice.name!r} here has other weights (sha256 {adapter.sha256}) than the "
+                    f"{choice.sha256} asked for",
+                    param="lora",
+                )
+            resolved.append(choice.model_copy(update={"sha256": adapter.sha256}))
+        return resolved
+
+    def row_adapters(self, choices: list[LoraChoice] | None) -> RowAdapters:
+        return tuple((self.get(c.name), c.scale) for c in choices or ())
+
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(_size(a) for _, a in self._cache.values())
+
+
+def _size(adapter: LoraAdapter) -> int:
+    return sum(t.numel() * t.element_size() for layer in adapter.layers.values() for t in (layer.down, layer.up))

@@ -25,6 +25,7 @@ from contracts.seeds import seed_or_picked
 from stages.diffusion.engine import family_for
 from stages.diffusion.engine.families import vae_slicing
 from stages.diffusion.engine.sample import seeded_generator
+from stages.diffusion.lora import AdapterLibrary
 from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
 
 
@@ -229,6 +230,10 @@ class DiffusionRenderer:
             # FLUX and Qwen-Image pack 2x2 latent pixels into one token: that packing is their transformer's patching.
             self.size_multiple = self.pipe.vae_scale_factor * self.family.latent_packing
         self.defaults = model_defaults(self.pipe, self.model, self.size_multiple, config)
+        component = self.family.denoiser_name if self.family else "unet"
+        self.loras = AdapterLibrary(config.lora_dir, type(self.pipe), component, config.lora_cache_mib << 20)
+        if self.family is not None:
+            self.family.library = self.loras
         call = inspect.signature(self.pipe.__call__).parameters
         self.accepts_true_cfg = "true_cfg_scale" in call
         self.prompt_and_size_rewrites = [name for name in ("use_resolution_binning", "clean_caption") if name in call]
@@ -245,7 +250,16 @@ class DiffusionRenderer:
             filled["seed"] = seed_or_picked(params.seed)
         resolved = params.model_copy(update=filled) if filled else params
         self.config.check_limits(resolved)
-        self._check_renderable(resolved)
+        check_renderable(self, resolved)
+        if resolved.lora:
+            if not (step_engine and self.family):
+                raise InvalidRequestError(
+                    f"LoRA adapters are applied per row by the step engine; this replica renders {self.model} by "
+                    "whole-request batches",
+                    param="lora",
+                    code="unsupported_value",
+                )
+            resolved = resolved.model_copy(update={"lora": self.loras.resolve(resolved.lora)})
         if resolved.scheduler is not None:
             served = sorted(self.family.SCHEDULERS) if step_engine and self.family else []
             if resolved.scheduler not in served:
@@ -255,53 +269,6 @@ class DiffusionRenderer:
                     code="unsupported_value",
                 )
         return resolved
-
-    def _check_renderable(self, params: DiffusionSamplingParams) -> None:
-        for name in ("height", "width"):
-            value = getattr(params, name)
-            if value % self.size_multiple:
-                raise InvalidRequestError(
-                    f"{name} must be a multiple of {self.size_multiple} for {self.model}, got {value}", param=name
-                )
-        if cast(int, params.num_inference_steps) < self.min_steps:
-            raise InvalidRequestError(
-                f"num_inference_steps must be at least {self.min_steps} for {self.model}: its scheduler stretches the "
-                "schedule to a terminal sigma, which takes two steps",
-                param="num_inference_steps",
-            )
-        if params.sigmas is not None:
-            if not self.accepts_sigmas:
-                raise InvalidRequestError(f"{self.model}'s scheduler does not take sigmas", param="sigmas")
-            if len(params.sigmas) != params.num_inference_steps:
-                raise InvalidRequestError("sigmas must have num_inference_steps entries", param="sigmas")
-        if params.generator_device and params.generator_device.split(":")[0] not in ("cpu", self.device.split(":")[0]):
-            raise InvalidRequestError(
-                f"generator_device {params.generator_device!r} is not available here", param="generator_device"
-            )
-        if params.latents is not None:
-            if self.family is not None and not self.family.takes_latents:
-                raise InvalidRequestError(f"{self.model} does not take initial latents", param="latents")
-            self._latents_tensor(params)  # shape check at admission, not inside a batch
-        if params.true_cfg_scale is not None and not self.accepts_true_cfg:
-            raise InvalidRequestError(
-                f"true_cfg_scale applies to pipelines with true classifier-free guidance (FLUX, Qwen-Image), not {self.model}",
-                param="true_cfg_scale",
-                code="unsupported_value",
-            )
-
-    def _latents_tensor(self, params: DiffusionSamplingParams):
-        import torch
-
-        try:
-            latents = torch.tensor(params.latents, dtype=torch.float32)
-        except (ValueError, TypeError) as err:
-            raise InvalidRequestError(f"latents must be a rectangular nested list: {err}", param="latents") from err
-        if tuple(latents.shape) != latent_shape(self.pipe, params):
-            raise InvalidRequestError(
-                f"latents must have shape {list(latent_shape(self.pipe, params))}, got {list(latents.shape)}",
-                param="latents",
-            )
-        return latents
 
     def request_group(self, job: Job) -> tuple[int, ...]:
         """What a whole-request batch must share besides its batch key: for a pipeline that pads a batch's prompts to
@@ -353,5 +320,58 @@ class DiffusionRenderer:
         kwargs.update({name: False for name in self.prompt_and_size_rewrites})
         if key.has_latents:
             dtype = next(self.pipe.components[c] for c in ("unet", "transformer") if c in self.pipe.components).dtype
-            kwargs["latents"] = torch.stack([self._latents_tensor(job.params) for job in jobs]).to(self.device, dtype)
+            kwargs["latents"] = torch.stack([latents_tensor(self.pipe, job.params) for job in jobs]).to(
+                self.device, dtype
+            )
         return kwargs
+
+
+def check_renderable(renderer: DiffusionRenderer, params: DiffusionSamplingParams) -> None:
+    """Refuse what this renderer's model cannot render (a 400 naming the field)."""
+    for name in ("height", "width"):
+        value = getattr(params, name)
+        if value % renderer.size_multiple:
+            raise InvalidRequestError(
+                f"{name} must be a multiple of {renderer.size_multiple} for {renderer.model}, got {value}", param=name
+            )
+    if cast(int, params.num_inference_steps) < renderer.min_steps:
+        raise InvalidRequestError(
+            f"num_inference_steps must be at least {renderer.min_steps} for {renderer.model}: its scheduler stretches the "
+            "schedule to a terminal sigma, which takes two steps",
+            param="num_inference_steps",
+        )
+    if params.sigmas is not None:
+        if not renderer.accepts_sigmas:
+            raise InvalidRequestError(f"{renderer.model}'s scheduler does not take sigmas", param="sigmas")
+        if len(params.sigmas) != params.num_inference_steps:
+            raise InvalidRequestError("sigmas must have num_inference_steps entries", param="sigmas")
+    if params.generator_device and params.generator_device.split(":")[0] not in ("cpu", renderer.device.split(":")[0]):
+        raise InvalidRequestError(
+            f"generator_device {params.generator_device!r} is not available here", param="generator_device"
+        )
+    if params.latents is not None:
+        if renderer.family is not None and not renderer.family.takes_latents:
+            raise InvalidRequestError(f"{renderer.model} does not take initial latents", param="latents")
+        latents_tensor(renderer.pipe, params)  # shape check at admission, not inside a batch
+    if params.true_cfg_scale is not None and not renderer.accepts_true_cfg:
+        raise InvalidRequestError(
+            f"true_cfg_scale applies to pipelines with true classifier-free guidance (FLUX, Qwen-Image), not {renderer.model}",
+            param="true_cfg_scale",
+            code="unsupported_value",
+        )
+
+
+def latents_tensor(pipe: Any, params: DiffusionSamplingParams):
+    """A request's initial latents as a tensor of the shape `pipe` takes (a 400 naming `latents` otherwise)."""
+    import torch
+
+    try:
+        latents = torch.tensor(params.latents, dtype=torch.float32)
+    except (ValueError, TypeError) as err:
+        raise InvalidRequestError(f"latents must be a rectangular nested list: {err}", param="latents") from err
+    if tuple(latents.shape) != latent_shape(pipe, params):
+        raise InvalidRequestError(
+            f"latents must have shape {list(latent_shape(pipe, params))}, got {list(latents.shape)}",
+            param="latents",
+        )
+    return latents

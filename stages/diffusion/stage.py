@@ -137,6 +137,7 @@ class DiffusionStage:
                 "pid": os.getpid(),
                 "defaults": dict(self.renderer.defaults),
                 "batching": batching,
+                "loras": self.renderer.loras.names(),  # what a request's `lora` may name here (GET /v1/loras)
                 "problem": problem,
             },
         )

@@ -20,6 +20,18 @@ def test_the_reproducing_request_is_n1_with_the_files_seed_and_every_parameter()
         "guidance_scale": 3.5, "negative_prompt": "fog", "scheduler": "ddim"}
 
 
+def test_the_reproducing_request_carries_true_cfg_and_each_adapter_with_its_weights_sha256():
+    from contracts.sampling import LoraChoice
+
+    sha = "ab" * 32
+    params = PARAMS.model_copy(update={"true_cfg_scale": 3.0, "lora": [LoraChoice(name="ink", scale=0.5, sha256=sha)]})
+    body = reproduction(ImageRecord.of("a fox", params, DIFFUSION, None))
+    assert body["true_cfg_scale"] == 3.0 and body["lora"] == [{"name": "ink", "scale": 0.5, "sha256": sha}]
+    from contracts.http import ImageGenerationRequest
+
+    ImageGenerationRequest.model_validate(body)  # a body the API takes
+
+
 def test_a_server_whose_switch_or_model_differs_is_named_field_by_field():
     same = {"stages": {"diffusion": {"model": "omniserve/tiny-sd-unet", "batch_invariant": True, "kernel_backend": "cpu"}}}
     assert server_differences(RECORD, same) == []

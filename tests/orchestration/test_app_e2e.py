@@ -335,6 +335,17 @@ def test_unknown_route_and_wrong_method_are_4xx_in_the_openai_shape(http):
     assert http.get("/v1/images/generations").status_code == 405
 
 
+def test_loras_lists_none_here_and_a_bad_adapter_request_is_a_4xx_naming_lora(http):
+    """This app configures no adapters directory (tests/stages/test_lora.py renders with adapters)."""
+    assert http.get("/v1/loras").json() == {"object": "list", "data": []}
+    body = {"prompt": "a fox", "seed": 1, "size": "64x64", "enhance_prompt": False}
+    for lora, status in [([{"name": "nowhere"}], 404), ([{"name": f"a{i}"} for i in range(5)], 400),
+                         ([{"name": "a", "scale": 9}], 400), ([{"name": "a", "weight": 1}], 400)]:
+        response = http.post("/v1/images/generations", json={**body, "lora": lora})
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["param"].startswith("lora"), response.text
+
+
 def test_prompt_too_long_for_the_llm_context_is_400_not_500(http):
     response = http.post("/v1/images/generations", json={"prompt": "ü " * 1999, "seed": 1})
     assert response.status_code == 400, response.text

@@ -140,7 +140,7 @@ class StepEngine:
 
     def _forward(self, batch: list[Sample]) -> None:
         try:
-            predictions = self.family.denoise(batch)
+            predictions = self.family.forward(batch)
             for sample, prediction in zip(batch, predictions, strict=False):
                 self.family.step(sample, prediction)
         except Exception as exc:

@@ -3,6 +3,7 @@
     UNetFamily  StableDiffusionPipeline   (UNet2DConditionModel; Euler, Euler ancestral, DPM-Solver++, DDIM)
     SDXLFamily  StableDiffusionXLPipeline (the UNet with two text encoders, pooled text and size ids added)
     DiTFamily   StableDiffusion3Pipeline  (SD3Transformer2DModel; flow-matching Euler)
+    PackedFamily                          (what the next two share: packed latents, the shift, true CFG, size packing)
     FluxFamily  FluxPipeline              (FluxTransformer2DModel on packed latents with RoPE ids; flow matching with
                                            the resolution-dependent shift; distilled guidance, true CFG on request)
     QwenImageFamily QwenImagePipeline     (QwenImageTransformer2DModel, an MMDiT over packed latents and a Qwen2.5-VL
@@ -43,6 +44,7 @@ from diffusers import (
 )
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..lora import AdapterLibrary, RowLora
 from .img2img import prepare_edit
 from .packing import PackedFluxAttnProcessor, PackedQwenAttnProcessor, PackedRows, PackedStreams, padded
 from .sample import Sample, seeded_generator
@@ -125,6 +127,19 @@ class Family:
         self.pipe = pipe
         self.denoiser = getattr(pipe, self.denoiser_name)
         self.device = pipe.device
+        # LoRA adapters per row (stages.diffusion.lora): the hooks, and where a sample's adapters come from (the
+        # renderer sets it when the replica has an adapters directory).
+        self.lora = RowLora(self.denoiser)
+        self.library: AdapterLibrary | None = None
+
+    def rows(self, sample: Sample) -> int:
+        """The sample's rows in a denoiser call: two with classifier-free guidance, else one."""
+        return 2 if sample.cfg else 1
+
+    def forward(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """`denoise`, each row with its sample's LoRA adapters (none: the base model's rows, untouched)."""
+        with self.lora.rows([s.adapters for s in samples for _ in range(self.rows(s))]):
+            return self.denoise(samples)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -141,6 +156,11 @@ class Family:
         sample.step_kwargs = frozenset(inspect.signature(sample.scheduler.step).parameters)
         sample.timesteps = self.timesteps(sample)
         sample.generator = seeded_generator(params)
+        if params.lora:  # on the engine thread: hooks are never added while a call runs
+            assert self.library is not None  # admission refuses adapters where there is none
+            sample.adapters = self.library.row_adapters(params.lora)
+            for adapter, _ in sample.adapters:
+                self.lora.attach(adapter)
         if sample.image is not None:
             prepare_edit(self, sample)  # its schedule starts at its strength, its latents at its noised image
             return
@@ -356,19 +376,16 @@ class DiTFamily(Family):
         return latents / self.pipe.vae.config.scaling_factor + self.pipe.vae.config.shift_factor
 
 
-class FluxFamily(Family):
-    """FluxPipeline: latents packed 2x2 into tokens, with their RoPE position ids (image) and zeros (text); sigmas
-    from 1 to 1/steps, shifted by the image's token count; `guidance_scale` embedded (distilled guidance, one row);
-    with a negative prompt and `true_cfg_scale` > 1, a second row on the negative prompt, combined as diffusers does."""
+class PackedFamily(Family):
+    """What FLUX and Qwen-Image share: latents packed 2x2 into tokens, sigmas from 1 to 1/steps shifted by the image's
+    token count (`calculate_shift`), true CFG (a second row on the negative prompt when its scale is above 1), and
+    samples of different sizes in one call (`stages.diffusion.engine.packing`)."""
 
     denoiser_name = "transformer"
-    edit_pipeline = FluxImg2ImgPipeline
     SCHEDULERS = {"flow_match_euler": FlowMatchEulerDiscreteScheduler}
     latent_packing = 2
-    takes_latents = False  # FluxPipeline takes them packed; a request's (C, h, w) would be ambiguous
+    takes_latents = False  # the pipelines take them packed; a request's (C, h, w) would be ambiguous
     packs_sizes = True
-    #: FluxPipeline's default T5 sequence length: a different one gives other bits.
-    max_sequence_length = 512
 
     def __init__(self, pipe):
         super().__init__(pipe)
@@ -378,12 +395,8 @@ class FluxFamily(Family):
         self.true_cfg_default = float(inspect.signature(type(pipe).__call__).parameters["true_cfg_scale"].default)
 
     @staticmethod
-    def attention_processor():
-        return PackedFluxAttnProcessor()
-
-    @classmethod
-    def serves(cls, pipe) -> bool:
-        return type(pipe).__name__ == "FluxPipeline"
+    def attention_processor() -> Any:
+        raise NotImplementedError
 
     def true_cfg_scale(self, sample: Sample) -> float:
         scale = sample.params.true_cfg_scale
@@ -392,6 +405,52 @@ class FluxFamily(Family):
     def true_cfg(self, sample: Sample) -> bool:
         """diffusers' `do_true_cfg`: a negative prompt and a true CFG scale above 1."""
         return self.true_cfg_scale(sample) > 1.0 and sample.params.negative_prompt is not None
+
+    def rows(self, sample: Sample) -> int:
+        return 2 if self.true_cfg(sample) else 1  # [negative, positive] with true CFG
+
+    def timesteps(self, sample: Sample):
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        steps = cast(int, sample.params.num_inference_steps)
+        config = sample.scheduler.config
+        sigmas: Any = sample.params.sigmas or np.linspace(1.0, 1 / steps, steps)  # diffusers' FLUX default
+        if config.get("use_flow_sigmas", False):
+            sigmas = None
+        height, width = sample.shape
+        side = self.pipe.vae_scale_factor * self.latent_packing
+        mu = calculate_shift(
+            (height // side) * (width // side),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        timesteps = _timesteps(sample.scheduler, steps, self.device, sigmas, mu=mu)
+        sample.scheduler.set_begin_index(0)  # as the pipeline's `__call__` does (an edit's preparation moves it)
+        return timesteps
+
+    def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        return self.pipe._unpack_latents(latents, *shape, self.pipe.vae_scale_factor)
+
+
+class FluxFamily(PackedFamily):
+    """FluxPipeline: latents packed 2x2 into tokens, with their RoPE position ids (image) and zeros (text); sigmas
+    from 1 to 1/steps, shifted by the image's token count; `guidance_scale` embedded (distilled guidance, one row);
+    with a negative prompt and `true_cfg_scale` > 1, a second row on the negative prompt, combined as diffusers does."""
+
+    edit_pipeline = FluxImg2ImgPipeline
+    #: FluxPipeline's default T5 sequence length: a different one gives other bits.
+    max_sequence_length = 512
+
+    @staticmethod
+    def attention_processor():
+        return PackedFluxAttnProcessor()
+
+    @classmethod
+    def serves(cls, pipe) -> bool:
+        return type(pipe).__name__ == "FluxPipeline"
 
     def _encode(self, prompts: list[str]):
         return self.pipe.encode_prompt(
@@ -415,28 +474,6 @@ class FluxFamily(Family):
                     "pooled_projections": torch.cat([negative[1][j : j + 1], rows["pooled_projections"]]),
                 }
             sample.conditioning = {**rows, "txt_ids": text_ids}
-
-    def timesteps(self, sample: Sample):
-        import numpy as np
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        steps = cast(int, sample.params.num_inference_steps)
-        config = sample.scheduler.config
-        sigmas: Any = sample.params.sigmas or np.linspace(1.0, 1 / steps, steps)  # diffusers' FLUX default
-        if config.get("use_flow_sigmas", False):
-            sigmas = None
-        height, width = sample.shape
-        side = self.pipe.vae_scale_factor * self.latent_packing
-        mu = calculate_shift(
-            (height // side) * (width // side),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        timesteps = _timesteps(sample.scheduler, steps, self.device, sigmas, mu=mu)
-        sample.scheduler.set_begin_index(0)  # as the pipeline's `__call__` does (an edit's preparation moves it)
-        return timesteps
 
     def initial_latents(self, sample: Sample) -> torch.Tensor:
         height, width = sample.shape
@@ -507,15 +544,13 @@ class FluxFamily(Family):
             predictions.append(prediction)
         return predictions
 
-    def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        return self.pipe._unpack_latents(latents, *shape, self.pipe.vae_scale_factor)
-
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
         return latents / self.pipe.vae.config.scaling_factor + self.pipe.vae.config.shift_factor
 
 
-class QwenImageFamily(FluxFamily):
-    """QwenImagePipeline: FLUX's packed 2x2 latents, sigmas and resolution shift, with its own MMDiT call. Its prompt is
+class QwenImageFamily(PackedFamily):
+    """QwenImagePipeline: FLUX's packed 2x2 latents, sigmas and resolution shift (its unpacked latents: (N, C, 1 frame,
+    h, w)), with its own MMDiT call. Its prompt is
         the Qwen2.5-VL encoder's last hidden state over the chat template, without the template's system prefix, so every
         prompt has its own length: a call's text is padded to the longest like its image tokens, and attention runs per
         row over that row's own text and image (`PackedQwenAttnProcessor`) with the RoPE tables its solo call computes.
@@ -634,9 +669,6 @@ class QwenImageFamily(FluxFamily):
                 prediction = combined * scale
             predictions.append(prediction)
         return predictions
-
-    def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        return self.pipe._unpack_latents(latents, *shape, self.pipe.vae_scale_factor)  # (N, C, 1 frame, h, w)
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipe.vae.config

@@ -134,37 +134,40 @@ class PackedQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
                 if norm is not None:
                     qkv[i] = norm(qkv[i])
         image_out, text_out = torch.zeros_like(image_qkv[0]), torch.zeros_like(text_qkv[0])  # padding: zeros, dropped
-        for row, (texts, images, (image_freqs, text_freqs)) in enumerate(
-            zip(packed.text, packed.image, packed.rotary, strict=True)
-        ):
+        for row, (texts, images, tables) in enumerate(zip(packed.text, packed.image, packed.rotary, strict=True)):
             at = slice(row, row + 1)
-            # Query and key rotated, each stream by its own table, as its solo call does; then [text, image].
-            query, key = (
-                torch.cat(
-                    [
-                        apply_rotary_emb_qwen(text_qkv[i][at, :texts], text_freqs, use_real=False),
-                        apply_rotary_emb_qwen(image_qkv[i][at, :images], image_freqs, use_real=False),
-                    ],
-                    dim=1,
-                )
-                for i in (0, 1)
-            )
-            value = torch.cat([text_qkv[2][at, :texts], image_qkv[2][at, :images]], dim=1)
-            out = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=None,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            ).to(query.dtype)
+            out = self._row_attention([t[at, :texts] for t in text_qkv], [t[at, :images] for t in image_qkv], tables)
             text_out[at, :texts], image_out[at, :images] = out[:, :texts], out[:, texts:]
         image_attn = attn.to_out[0](image_out.flatten(2, 3).contiguous())
         if len(attn.to_out) > 1:
             image_attn = attn.to_out[1](image_attn)  # dropout
         return image_attn, attn.to_add_out(text_out.flatten(2, 3).contiguous())
+
+    def _row_attention(self, text: list[torch.Tensor], image: list[torch.Tensor], tables) -> torch.Tensor:
+        """One row's joint attention, as its solo call computes it: query and key rotated, each stream by its own
+        table (image, text), then [text, image]."""
+        image_freqs, text_freqs = tables
+        query, key = (
+            torch.cat(
+                [
+                    apply_rotary_emb_qwen(text[i], text_freqs, use_real=False),
+                    apply_rotary_emb_qwen(image[i], image_freqs, use_real=False),
+                ],
+                dim=1,
+            )
+            for i in (0, 1)
+        )
+        value = torch.cat([text[2], image[2]], dim=1)
+        return dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=None,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        ).to(query.dtype)
 
 
 def _rotated(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

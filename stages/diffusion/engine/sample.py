@@ -46,6 +46,7 @@ class Sample:
     latents: Any = None
     prediction: Any = None  # the scheduler's estimate of the final latents, after the last step (if it gives one)
     conditioning: dict[str, Any] = field(default_factory=dict)
+    adapters: tuple = ()  # its LoRA adapters and scales, in its request's order (stages.diffusion.lora.RowAdapters)
     step: int = 0
     # Provenance: the most samples that shared one of its forwards, and how many of its steps were shared.
     largest_batch: int = 0
