@@ -378,11 +378,20 @@ def _models() -> tuple:
     return embedded_models("diffusion")
 
 
+def _paths(model: str, paths) -> list:
+    """The render paths that serve `model`. Qwen-Image's own pipeline pads a batch's prompts to the longest, so request
+    batching queues its requests by prompt length and never runs the pipeline path's mixed lengths
+    (docs/invariance.md): it is checked on the engine path only."""
+    from stages.embedded import EMBEDDED_MODELS
+
+    return [p for p in paths if p != "pipeline" or EMBEDDED_MODELS[model].recipe != "qwen"]
+
+
 def run_diffusion_bits(workers: dict, plan: Plan, rows: list, log) -> None:
     for model in _models():
         for dtype in plan.diffusion_dtypes:
             for size in plan.sizes:
-                for path in plan.paths:
+                for path in _paths(model, plan.paths):
                     task = {"model": model, "dtype": dtype, "size": size, "steps": plan.steps, "path": path,
                             "batch_sizes": list(plan.bit_batches), "orderings": list(plan.orderings)}
                     row = {**task, **{s: workers[s].call("diffusion_bits", **task) for s in SETTINGS}}
