@@ -9,6 +9,7 @@ latency, the diffusion stage's co-batching (each image's batch_size), /health sa
 active/waiting: the share of samples with no active sample is the engine's idle share), the LLM stage's counters in
 /health (when it exposes them), and CPU seconds per process (by process title) over the timed window.
 """
+
 import asyncio
 import json
 import os
@@ -29,8 +30,21 @@ def label(p):
         name = " ".join(p.cmdline())[:80]
     except Exception:
         return None
-    for key in ("VLLM::Worker", "LLMStage", "DiffusionStage", "Ingress", "ProxyActor", "ServeController", "EngineCore", "VLLM", "raylet", "gcs_server",
-                "dashboard", "ray::", "python"):
+    for key in (
+        "VLLM::Worker",
+        "LLMStage",
+        "DiffusionStage",
+        "Ingress",
+        "ProxyActor",
+        "ServeController",
+        "EngineCore",
+        "VLLM",
+        "raylet",
+        "gcs_server",
+        "dashboard",
+        "ray::",
+        "python",
+    ):
         if key in name:
             return key
     return "other"
@@ -77,11 +91,18 @@ async def load(base, first_seed, n=N, conc=CONC, enhance=True, prompts=None):
     sem = asyncio.Semaphore(conc)
     lat, batch, shas = [], [], {}
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+
         async def one(i):
             k = (i * 7) % POOL if POOL and n == N else i
-            body = {"prompt": prompts[k] if prompts else f"a quiet lake number {first_seed + k} under the sky", "n": 1,
-                    "size": f"{SIZE}x{SIZE}", "num_inference_steps": STEPS, "seed": first_seed + k,
-                    "enhance_prompt": enhance, "response_format": "b64_json"}
+            body = {
+                "prompt": prompts[k] if prompts else f"a quiet lake number {first_seed + k} under the sky",
+                "n": 1,
+                "size": f"{SIZE}x{SIZE}",
+                "num_inference_steps": STEPS,
+                "seed": first_seed + k,
+                "enhance_prompt": enhance,
+                "response_format": "b64_json",
+            }
             async with sem:
                 t = time.perf_counter()
                 r = await client.post("/v1/images/generations", json=body)
@@ -90,24 +111,34 @@ async def load(base, first_seed, n=N, conc=CONC, enhance=True, prompts=None):
                 data = r.json()["data"][0]
                 batch.append(data["batch_size"])
                 shas[first_seed + k] = (data["sha256"], data["revised_prompt"])
+
         stop, samples = asyncio.Event(), []
         s = asyncio.create_task(sampler(client, stop, samples))
         await health(client)  # the stage is answering before the clock starts
         t = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
         el = time.perf_counter() - t
-        stop.set(); await s
+        stop.set()
+        await s
         h1 = await health(client)
     idle = sum(1 for a, w in samples if a == 0) / max(1, len(samples))
-    return {"images_per_s": round(n / el, 2), "elapsed_s": round(el, 2), "lat_p50": round(statistics.median(lat), 3),
-            "lat_max": round(max(lat), 3), "diffusion_batch_size": dict(sorted(Counter(batch).items())),
-            "diffusion_idle_share": round(idle, 3), "diffusion_active_mean": round(statistics.mean(a for a, _ in samples), 2) if samples else None,
-            "diffusion_waiting_mean": round(statistics.mean(w for _, w in samples), 2) if samples else None,
-            "rewrite_cache": h1.get("ingress", {}).get("rewrite_cache"), "shas": shas}
+    return {
+        "images_per_s": round(n / el, 2),
+        "elapsed_s": round(el, 2),
+        "lat_p50": round(statistics.median(lat), 3),
+        "lat_max": round(max(lat), 3),
+        "diffusion_batch_size": dict(sorted(Counter(batch).items())),
+        "diffusion_idle_share": round(idle, 3),
+        "diffusion_active_mean": round(statistics.mean(a for a, _ in samples), 2) if samples else None,
+        "diffusion_waiting_mean": round(statistics.mean(w for _, w in samples), 2) if samples else None,
+        "rewrite_cache": h1.get("ingress", {}).get("rewrite_cache"),
+        "shas": shas,
+    }
 
 
 def llm_rewrites():
     from ray import serve
+
     details = serve.get_deployment_handle("LLMStage", app_name="balance").describe.remote().result().details
     return details.get("rewrites") or {}
 
@@ -133,15 +164,26 @@ def main():
     repeats = 3
     global POOL
     if "--pool" in args:
-        i = args.index("--pool"); POOL = int(args[i + 1]); del args[i:i + 2]
+        i = args.index("--pool")
+        POOL = int(args[i + 1])
+        del args[i : i + 2]
     if "--repeats" in args:
-        i = args.index("--repeats"); repeats = int(args[i + 1]); del args[i:i + 2]
+        i = args.index("--repeats")
+        repeats = int(args[i + 1])
+        del args[i : i + 2]
     configs = [(a.split("=", 1)[0], json.loads(a.split("=", 1)[1])) for a in args]
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
-    ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=False,
-             namespace="balance-profile", _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=len(os.sched_getaffinity(0)),
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="balance-profile",
+        _node_ip_address="127.0.0.1",
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     runs = []
     try:
@@ -153,10 +195,13 @@ def main():
                 startup = time.perf_counter() - t
                 asyncio.run(load(base, 10_000_000 + rep * 1000, n=16))  # warm
                 solo = asyncio.run(load(base, 1000 * (rep + 1), n=1, conc=1))["shas"]  # request 0 alone first
-                l0 = llm_rewrites(); c0 = cpu_snapshot(); t0 = time.perf_counter()
+                l0 = llm_rewrites()
+                c0 = cpu_snapshot()
+                t0 = time.perf_counter()
                 r = asyncio.run(load(base, 1000 * (rep + 1)))
                 wall = time.perf_counter() - t0
-                r["cpu_s"] = cpu_diff(c0, cpu_snapshot()); r["wall_s"] = round(wall, 2)
+                r["cpu_s"] = cpu_diff(c0, cpu_snapshot())
+                r["wall_s"] = round(wall, 2)
                 r["llm"] = delta(l0, llm_rewrites(), wall)
                 key = 1000 * (rep + 1)
                 r["solo_equals_loaded"] = solo[key] == r.pop("shas")[key]  # same image and rewrite alone and under load
@@ -165,7 +210,8 @@ def main():
                 runs.append(r)
                 serve.delete("balance")
     finally:
-        serve.shutdown(); ray.shutdown()
+        serve.shutdown()
+        ray.shutdown()
     summary = {}
     for name, _ in configs:
         v = [r["images_per_s"] for r in runs if r["name"] == name]
@@ -173,10 +219,26 @@ def main():
     import hashlib
 
     import stages
+
     tree = os.path.dirname(os.path.dirname(stages.__file__))
     kernel = hashlib.sha256(open(os.path.join(tree, "stages/kernels/blocked.cpp"), "rb").read()).hexdigest()[:12]
-    report = {"kind": "balance", "tree": tree, "kernel_sha": kernel, "spec": {"requests": N, "concurrency": CONC, "size": SIZE, "steps": STEPS, "enhance_prompt": True, "pool": POOL},
-              "configs": dict(configs), "runs": runs, "summary": summary, "environment": environment(sys.argv)}
+    report = {
+        "kind": "balance",
+        "tree": tree,
+        "kernel_sha": kernel,
+        "spec": {
+            "requests": N,
+            "concurrency": CONC,
+            "size": SIZE,
+            "steps": STEPS,
+            "enhance_prompt": True,
+            "pool": POOL,
+        },
+        "configs": dict(configs),
+        "runs": runs,
+        "summary": summary,
+        "environment": environment(sys.argv),
+    }
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps(summary))

@@ -27,13 +27,18 @@ from stages.kernels import disable_batch_invariant_kernels, enable_batch_invaria
 
 #: (name, input shape, weight shape, layout): conv2d 3x3 padding 1. The first layer gets the pipeline's channels-first
 #: latents; inner layers get what the convolution before them returned: channels-last (ours keeps it, stock too).
-CONVS = (("conv 4->32 @ 8x8", (8, 4, 8, 8), (32, 4, 3, 3), "first"),
-         ("conv 64->64 @ 16x16", (8, 64, 16, 16), (64, 64, 3, 3), "last"),
-         ("conv 128->128 @ 32x32", (8, 128, 32, 32), (128, 128, 3, 3), "last"),
-         ("conv 64->3 @ 64x64", (8, 64, 64, 64), (3, 64, 3, 3), "last"))
+CONVS = (
+    ("conv 4->32 @ 8x8", (8, 4, 8, 8), (32, 4, 3, 3), "first"),
+    ("conv 64->64 @ 16x16", (8, 64, 16, 16), (64, 64, 3, 3), "last"),
+    ("conv 128->128 @ 32x32", (8, 128, 32, 32), (128, 128, 3, 3), "last"),
+    ("conv 64->3 @ 64x64", (8, 64, 64, 64), (3, 64, 3, 3), "last"),
+)
 #: group_norm with 32 groups (diffusers' default), in both layouts.
-NORMS = tuple((f"group_norm {c} @ {hw}x{hw} {layout}", (8, c, hw, hw), layout)
-              for c, hw in ((64, 16), (128, 32), (64, 64)) for layout in ("first", "last"))
+NORMS = tuple(
+    (f"group_norm {c} @ {hw}x{hw} {layout}", (8, c, hw, hw), layout)
+    for c, hw in ((64, 16), (128, 32), (64, 64))
+    for layout in ("first", "last")
+)
 
 
 def _layout(x, layout: str):
@@ -61,8 +66,13 @@ def _point(fn, repeats: int, threads: int = 1) -> dict:
         ours.append(_time(fn, calls, threads))
     disable_batch_invariant_kernels()
     ratios = sorted(s / o for s, o in zip(stock, ours))
-    return {"stock_ms": statistics.median(stock) * 1e3, "invariant_ms": statistics.median(ours) * 1e3,
-            "ratio_median": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1]}
+    return {
+        "stock_ms": statistics.median(stock) * 1e3,
+        "invariant_ms": statistics.median(ours) * 1e3,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": ratios[0],
+        "ratio_max": ratios[-1],
+    }
 
 
 def main() -> None:
@@ -84,16 +94,28 @@ def main() -> None:
                 for name, shape, weight_shape, layout in CONVS if "conv" in ops else ():
                     x = _layout(torch.randn(shape, generator=gen).to(dtype), layout)
                     w = torch.randn(weight_shape, generator=gen).to(dtype)
-                    rows.append({"op": f"{name} {layout}", **common,
-                                 **_point(lambda x=x, w=w: F.conv2d(x, w, padding=1), args.repeats, count)})
+                    rows.append(
+                        {
+                            "op": f"{name} {layout}",
+                            **common,
+                            **_point(lambda x=x, w=w: F.conv2d(x, w, padding=1), args.repeats, count),
+                        }
+                    )
                 for name, shape, layout in NORMS if "norm" in ops else ():
                     x = _layout(torch.randn(shape, generator=gen).to(dtype), layout)
                     rows.append({"op": name, **common, **_point(lambda x=x: F.group_norm(x, 32), args.repeats, count)})
-    report = {"path": native.loaded_isa(), "aten": torch.backends.cpu.get_cpu_capability(), "threads": threads,
-              "repeats": args.repeats, "rows": rows}
+    report = {
+        "path": native.loaded_isa(),
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "threads": threads,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     for row in rows:
-        print(f"{report['path']:8} t{row['threads']} {row['dtype']:9} {row['op']:32} stock {row['stock_ms']:8.3f} ms  ours "
-              f"{row['invariant_ms']:8.3f} ms  stock/ours {row['ratio_median']:.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})")
+        print(
+            f"{report['path']:8} t{row['threads']} {row['dtype']:9} {row['op']:32} stock {row['stock_ms']:8.3f} ms  ours "
+            f"{row['invariant_ms']:8.3f} ms  stock/ours {row['ratio_median']:.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
+        )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=1)

@@ -31,10 +31,27 @@ def _run(mode: str, args: argparse.Namespace) -> dict[tuple[str, int, int], tupl
     """(model, size, batch) -> (images/s off, images/s on) for one bench process under MKL_CBWR=mode."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        command = [sys.executable, "-m", "cli.main", "bench", "--stage", "diffusion", "--load", "none",
-                   "--sizes", args.sizes, "--batch-sizes", args.batch_sizes, "--repeats", "1", "--json", str(out)]
-        subprocess.run(command, cwd=REPO, env={**os.environ, "MKL_CBWR": mode}, check=True, capture_output=True,
-                       timeout=1800)
+        command = [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "bench",
+            "--stage",
+            "diffusion",
+            "--load",
+            "none",
+            "--sizes",
+            args.sizes,
+            "--batch-sizes",
+            args.batch_sizes,
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ]
+        subprocess.run(
+            command, cwd=REPO, env={**os.environ, "MKL_CBWR": mode}, check=True, capture_output=True, timeout=1800
+        )
         rows = json.loads(out.read_text())["rows"]
     return {(r["model"], r["size"], r["batch_size"]): (r["images_per_s_off"], r["images_per_s_on"]) for r in rows}
 
@@ -56,21 +73,33 @@ def main() -> None:
     for key in runs[0]["AVX2"]:
         on = [run["COMPATIBLE"][key][1] / run["AVX2"][key][1] for run in runs]
         off = [run["COMPATIBLE"][key][0] / run["AVX2"][key][0] for run in runs]
-        rows.append({"model": key[0], "size": key[1], "batch_size": key[2], "repeats": len(runs),
-                     "images_per_s_on": {mode: round(statistics.median(r[mode][key][1] for r in runs), 3) for mode in MODES},
-                     "compatible_over_avx2_on": spread(on), "compatible_over_avx2_off": spread(off)})
+        rows.append(
+            {
+                "model": key[0],
+                "size": key[1],
+                "batch_size": key[2],
+                "repeats": len(runs),
+                "images_per_s_on": {mode: round(statistics.median(r[mode][key][1] for r in runs), 3) for mode in MODES},
+                "compatible_over_avx2_on": spread(on),
+                "compatible_over_avx2_off": spread(off),
+            }
+        )
     from stages.audit.report import environment  # the CPU, versions and load, as every benchmark records them
 
     report = {"rows": rows, "environment": environment(" ".join(sys.argv))}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    lines = ["| model | size | batch | on img/s AVX2 | on img/s COMPATIBLE | COMPATIBLE/AVX2 on (min/median/max) | off |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | size | batch | on img/s AVX2 | on img/s COMPATIBLE | COMPATIBLE/AVX2 on (min/median/max) | off |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         on, off = r["compatible_over_avx2_on"], r["compatible_over_avx2_off"]
-        lines.append(f"| {r['model']} | {r['size']} | {r['batch_size']} | {r['images_per_s_on']['AVX2']} | "
-                     f"{r['images_per_s_on']['COMPATIBLE']} | {on['min']}/{on['median']}/{on['max']} | "
-                     f"{off['min']}/{off['median']}/{off['max']} |")
+        lines.append(
+            f"| {r['model']} | {r['size']} | {r['batch_size']} | {r['images_per_s_on']['AVX2']} | "
+            f"{r['images_per_s_on']['COMPATIBLE']} | {on['min']}/{on['median']}/{on['max']} | "
+            f"{off['min']}/{off['median']}/{off['max']} |"
+        )
     text = "\n".join(lines) + "\n"
     if args.markdown:
         args.markdown.write_text(text)

@@ -48,9 +48,16 @@ def _diffusion(dtype: str) -> float:
     engine = StepEngine(renderer.family, max_batch_size=8, torch_threads=1)
 
     def batch():
-        samples = [Sample("a red circle on a blue background", renderer.resolve(
-            DiffusionSamplingParams(seed=i, num_inference_steps=8, height=64, width=64), step_engine=True), on_done=None)
-            for i in range(8)]
+        samples = [
+            Sample(
+                "a red circle on a blue background",
+                renderer.resolve(
+                    DiffusionSamplingParams(seed=i, num_inference_steps=8, height=64, width=64), step_engine=True
+                ),
+                on_done=None,
+            )
+            for i in range(8)
+        ]
         engine.render(samples)
 
     try:
@@ -92,8 +99,12 @@ def _llm() -> float:
             requests = LLMRequests(engine)
 
             def batch():
-                made = [requests.enhancement(f"a lighthouse number {i}", LLMSamplingParams(
-                    temperature=1.0, seed=i, max_tokens=32)) for i in range(8)]
+                made = [
+                    requests.enhancement(
+                        f"a lighthouse number {i}", LLMSamplingParams(temperature=1.0, seed=i, max_tokens=32)
+                    )
+                    for i in range(8)
+                ]
                 return [(ids, sampling) for ids, _, sampling in made]
 
             await generate_co_batched(engine, batch())
@@ -116,10 +127,14 @@ def child() -> None:
     import torch
 
     torch.set_num_threads(1)
-    result = {"path": os.environ["OMNISERVE_CPU_ISA"], "aten": torch.backends.cpu.get_cpu_capability(),
-              "diffusion float32 8x64x64 8 steps": _diffusion("float32"),
-              "diffusion bfloat16 8x64x64 8 steps": _diffusion("bfloat16"), **_linear(),
-              "llm 8 requests x 32 tokens": _llm()}
+    result = {
+        "path": os.environ["OMNISERVE_CPU_ISA"],
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "diffusion float32 8x64x64 8 steps": _diffusion("float32"),
+        "diffusion bfloat16 8x64x64 8 steps": _diffusion("bfloat16"),
+        **_linear(),
+        "llm 8 requests x 32 tokens": _llm(),
+    }
     print("RESULT " + json.dumps(result))
 
 
@@ -139,26 +154,50 @@ def main() -> None:
     runs: dict[str, list[dict]] = {p: [] for p in PATHS}
     for repeat in range(args.repeats):
         for path in PATHS if repeat % 2 == 0 else reversed(PATHS):
-            done = subprocess.run([sys.executable, __file__, "--child"], cwd=REPO, capture_output=True, text=True,
-                                  timeout=900, env=cpu.path_environment(path, os.environ))
+            done = subprocess.run(
+                [sys.executable, __file__, "--child"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=cpu.path_environment(path, os.environ),
+            )
             if done.returncode:
                 sys.exit(done.stderr[-3000:])
-            runs[path].append(json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT "))))
+            runs[path].append(
+                json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")))
+            )
             print(f"repeat {repeat + 1} {path}: done", file=sys.stderr)
     rows = []
     for metric in [k for k in runs["avx2"][0] if k not in ("path", "aten")]:
         ratios = sorted(a[metric] / b[metric] for a, b in zip(runs["avx2"], runs["avx512"]))
-        rows.append({"metric": metric, "avx2_s": statistics.median(r[metric] for r in runs["avx2"]),
-                     "avx512_s": statistics.median(r[metric] for r in runs["avx512"]),
-                     "avx2_over_avx512_median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]})
+        rows.append(
+            {
+                "metric": metric,
+                "avx2_s": statistics.median(r[metric] for r in runs["avx2"]),
+                "avx512_s": statistics.median(r[metric] for r in runs["avx512"]),
+                "avx2_over_avx512_median": statistics.median(ratios),
+                "min": ratios[0],
+                "max": ratios[-1],
+            }
+        )
     for row in rows:
-        print(f"{row['metric']:38} avx2 {row['avx2_s'] * 1e3:9.2f} ms  avx512 {row['avx512_s'] * 1e3:9.2f} ms  "
-              f"avx2/avx512 {row['avx2_over_avx512_median']:.2f} ({row['min']:.2f}-{row['max']:.2f})")
+        print(
+            f"{row['metric']:38} avx2 {row['avx2_s'] * 1e3:9.2f} ms  avx512 {row['avx512_s'] * 1e3:9.2f} ms  "
+            f"avx2/avx512 {row['avx2_over_avx512_median']:.2f} ({row['min']:.2f}-{row['max']:.2f})"
+        )
     if args.json:
-        cpu_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("model name")), "unknown")
-        Path(args.json).write_text(json.dumps({"cpu": cpu_name, "repeats": args.repeats, "rows": rows, "runs": runs},
-                                              indent=1) + "\n")
+        cpu_name = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "unknown",
+        )
+        Path(args.json).write_text(
+            json.dumps({"cpu": cpu_name, "repeats": args.repeats, "rows": rows, "runs": runs}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":

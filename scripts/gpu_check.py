@@ -58,21 +58,23 @@ class Plan:
     linear_rows: tuple = (2, 3, 4, 5, 6, 7, 8, 64, 256)
     dtypes: tuple = ("float32", "bfloat16")
     # name -> (op, shape parameters): the embedded pipelines' convolutions, norms and attention at 64 and 256 px.
-    op_cases: dict = field(default_factory=lambda: {
-        "conv_in_latent32": ("conv2d", dict(cin=4, cout=32, size=32)),
-        "conv_unet_16": ("conv2d", dict(cin=64, cout=64, size=16)),
-        "conv_vae_32": ("conv2d", dict(cin=64, cout=64, size=32)),
-        "conv_vae_256": ("conv2d", dict(cin=32, cout=32, size=256)),
-        "group_norm_vae_256": ("group_norm", dict(channels=32, groups=8, size=256, channels_last=False)),
-        "group_norm_unet_16": ("group_norm", dict(channels=64, groups=8, size=16, channels_last=False)),
-        "group_norm_unet_16_cl": ("group_norm", dict(channels=64, groups=8, size=16, channels_last=True)),
-        "bmm_qk_vae_mid": ("bmm", dict(heads=1, m=1024, k=64, n=1024)),
-        "bmm_av_vae_mid": ("bmm", dict(heads=1, m=1024, k=1024, n=64)),
-        "bmm_qk_unet_cross": ("bmm", dict(heads=8, m=256, k=8, n=77)),
-        "sdpa_unet_self": ("sdpa", dict(heads=8, seq=256, dim=8)),
-        "sdpa_vae_mid": ("sdpa", dict(heads=1, seq=1024, dim=64)),
-        "sdpa_dit_joint": ("sdpa", dict(heads=4, seq=589, dim=8)),  # 16x16 patches + 77 CLIP + 256 T5 slots
-    })
+    op_cases: dict = field(
+        default_factory=lambda: {
+            "conv_in_latent32": ("conv2d", dict(cin=4, cout=32, size=32)),
+            "conv_unet_16": ("conv2d", dict(cin=64, cout=64, size=16)),
+            "conv_vae_32": ("conv2d", dict(cin=64, cout=64, size=32)),
+            "conv_vae_256": ("conv2d", dict(cin=32, cout=32, size=256)),
+            "group_norm_vae_256": ("group_norm", dict(channels=32, groups=8, size=256, channels_last=False)),
+            "group_norm_unet_16": ("group_norm", dict(channels=64, groups=8, size=16, channels_last=False)),
+            "group_norm_unet_16_cl": ("group_norm", dict(channels=64, groups=8, size=16, channels_last=True)),
+            "bmm_qk_vae_mid": ("bmm", dict(heads=1, m=1024, k=64, n=1024)),
+            "bmm_av_vae_mid": ("bmm", dict(heads=1, m=1024, k=1024, n=64)),
+            "bmm_qk_unet_cross": ("bmm", dict(heads=8, m=256, k=8, n=77)),
+            "sdpa_unet_self": ("sdpa", dict(heads=8, seq=256, dim=8)),
+            "sdpa_vae_mid": ("sdpa", dict(heads=1, seq=1024, dim=64)),
+            "sdpa_dit_joint": ("sdpa", dict(heads=4, seq=589, dim=8)),  # 16x16 patches + 77 CLIP + 256 T5 slots
+        }
+    )
     op_batches: tuple = (2, 3, 4, 5, 6, 7, 8, 16)  # classifier-free guidance doubles a batch of 8
     speed_shapes: tuple = ((512, 1408), (1408, 512), (1024, 2816), (2048, 5632), (4096, 4096))
     speed_rows: tuple = (1, 2, 4, 8, 16, 64, 256, 1024)
@@ -92,16 +94,28 @@ class Plan:
 
 FULL = Plan()
 QUICK = Plan(
-    linear_shapes=((64, 96),), linear_rows=(2, 3, 16),
+    linear_shapes=((64, 96),),
+    linear_rows=(2, 3, 16),
     op_cases={
         "conv": ("conv2d", dict(cin=4, cout=8, size=8)),
         "group_norm": ("group_norm", dict(channels=16, groups=4, size=8, channels_last=True)),
         "bmm": ("bmm", dict(heads=2, m=16, k=8, n=16)),
         "sdpa": ("sdpa", dict(heads=2, seq=16, dim=8)),
     },
-    op_batches=(2, 3), speed_shapes=((64, 96),), speed_rows=(1, 4), speed_ops=("conv", "group_norm"),
-    speed_op_batches=(2,), repeats=2, target_s=0.002, sizes=(32,), diffusion_dtypes=("float32",), steps=2,
-    bit_batches=(2,), orderings=("first", "last"), image_batches=(1, 2), image_repeats=2,
+    op_batches=(2, 3),
+    speed_shapes=((64, 96),),
+    speed_rows=(1, 4),
+    speed_ops=("conv", "group_norm"),
+    speed_op_batches=(2,),
+    repeats=2,
+    target_s=0.002,
+    sizes=(32,),
+    diffusion_dtypes=("float32",),
+    steps=2,
+    bit_batches=(2,),
+    orderings=("first", "last"),
+    image_batches=(1, 2),
+    image_repeats=2,
 )
 
 
@@ -123,11 +137,15 @@ def build_case(op: str, params: dict, device: str, dtype: str):
     if op == "linear":  # a sample is one row: a token of an LLM batch
         weight = _random((p["n"], p["k"]), 1, device, dtype)
         bias = _random((p["n"],), 2, device, dtype) if p.get("bias") else None
-        return (lambda x: F.linear(x, weight, bias)), (lambda count, seed: _random((count, p["k"]), seed, device, dtype))
+        return (lambda x: F.linear(x, weight, bias)), (
+            lambda count, seed: _random((count, p["k"]), seed, device, dtype)
+        )
     if op == "conv2d":
         weight, bias = _random((p["cout"], p["cin"], 3, 3), 3, device, dtype), _random((p["cout"],), 4, device, dtype)
         shape = (p["cin"], p["size"], p["size"])
-        return (lambda x: F.conv2d(x, weight, bias, padding=1)), (lambda count, seed: _random((count, *shape), seed, device, dtype))
+        return (lambda x: F.conv2d(x, weight, bias, padding=1)), (
+            lambda count, seed: _random((count, *shape), seed, device, dtype)
+        )
     if op == "group_norm":
         weight, bias = _random((p["channels"],), 5, device, dtype), _random((p["channels"],), 6, device, dtype)
         fmt = torch.channels_last if p["channels_last"] else torch.contiguous_format
@@ -218,8 +236,9 @@ class Tasks:
         if (model, dtype) not in self.renderers:
             self.renderers.clear()  # one model in memory at a time
             # torch_threads=None: torch's own thread count, as the audit and the CPU bench measure.
-            config = DiffusionStageConfig(model=model, batch_invariant=self.setting == "on", device=self.device,
-                                          dtype=dtype, torch_threads=None)
+            config = DiffusionStageConfig(
+                model=model, batch_invariant=self.setting == "on", device=self.device, dtype=dtype, torch_threads=None
+            )
             self.renderers[(model, dtype)] = DiffusionRenderer(config)
         return self.renderers[(model, dtype)]
 
@@ -228,8 +247,9 @@ class Tasks:
 
         return renderer.resolve(DiffusionSamplingParams(seed=seed, num_inference_steps=steps, height=size, width=size))
 
-    def diffusion_bits(self, model: str, dtype: str, size: int, steps: int, path: str, batch_sizes: list,
-                       orderings: list) -> dict:
+    def diffusion_bits(
+        self, model: str, dtype: str, size: int, steps: int, path: str, batch_sizes: list, orderings: list
+    ) -> dict:
         """The audit's target alone vs co-batched (stages.audit.diffusion), on this device: per arrangement."""
         from stages.audit.diffusion import RENDER_PATHS, TARGET, batches, compare
 
@@ -239,8 +259,15 @@ class Tasks:
         rows = []
         for ordering, order, target in batches(batch_sizes, orderings):
             counts = compare(solo, render(renderer, order, params)[target])
-            rows.append({"ordering": ordering, "batch_size": len(order), "differing_elements": counts["differing_elements"],
-                         "total_elements": counts["total_elements"], "max_abs_diff": counts["max_abs_diff"]})
+            rows.append(
+                {
+                    "ordering": ordering,
+                    "batch_size": len(order),
+                    "differing_elements": counts["differing_elements"],
+                    "total_elements": counts["total_elements"],
+                    "max_abs_diff": counts["max_abs_diff"],
+                }
+            )
         return {"arrangements": len(rows), "differing": sum(1 for r in rows if r["differing_elements"]), "rows": rows}
 
     def diffusion_seconds(self, model: str, dtype: str, size: int, steps: int, batch: int) -> float:
@@ -328,16 +355,32 @@ def paired(workers: dict, name: str, repeats: int, **kwargs) -> dict:
         for setting in SETTINGS if repeat % 2 == 0 else SETTINGS[::-1]:
             seconds[setting].append(workers[setting].call(name, **kwargs))
     ratios = [off / on for off, on in zip(seconds["off"], seconds["on"])]
-    return {"seconds_off": spread(seconds["off"], 7), "seconds_on": spread(seconds["on"], 7),
-            "on_over_off": spread(ratios), "repeats": repeats}
+    return {
+        "seconds_off": spread(seconds["off"], 7),
+        "seconds_on": spread(seconds["on"], 7),
+        "on_over_off": spread(ratios),
+        "repeats": repeats,
+    }
 
 
 def invariance_cases(plan: Plan) -> list[dict]:
-    cases = [{"name": f"linear K={k} N={n}{' +bias' if bias else ''}", "op": "linear",
-              "params": {"k": k, "n": n, "bias": bias}, "dtype": dtype, "batch_sizes": list(plan.linear_rows)}
-             for dtype in plan.dtypes for k, n in plan.linear_shapes for bias in (False, True)]
-    cases += [{"name": name, "op": op, "params": params, "dtype": dtype, "batch_sizes": list(plan.op_batches)}
-              for dtype in plan.dtypes for name, (op, params) in plan.op_cases.items()]
+    cases = [
+        {
+            "name": f"linear K={k} N={n}{' +bias' if bias else ''}",
+            "op": "linear",
+            "params": {"k": k, "n": n, "bias": bias},
+            "dtype": dtype,
+            "batch_sizes": list(plan.linear_rows),
+        }
+        for dtype in plan.dtypes
+        for k, n in plan.linear_shapes
+        for bias in (False, True)
+    ]
+    cases += [
+        {"name": name, "op": op, "params": params, "dtype": dtype, "batch_sizes": list(plan.op_batches)}
+        for dtype in plan.dtypes
+        for name, (op, params) in plan.op_cases.items()
+    ]
     return cases
 
 
@@ -346,15 +389,22 @@ def run_invariance(workers: dict, plan: Plan, rows: list, log) -> None:
         task = {key: case[key] for key in ("op", "params", "dtype", "batch_sizes")}
         row = {**case, **{setting: workers[setting].call("invariance", **task) for setting in SETTINGS}}
         rows.append(row)
-        log(f"invariance {case['name']} {case['dtype']}: on {row['on']['differing']}/{row['on']['cases']} differ, "
-            f"off {row['off']['differing']}/{row['off']['cases']}")
+        log(
+            f"invariance {case['name']} {case['dtype']}: on {row['on']['differing']}/{row['on']['cases']} differ, "
+            f"off {row['off']['differing']}/{row['off']['cases']}"
+        )
 
 
 def run_linear_speed(workers: dict, plan: Plan, rows: list, log) -> None:
     for k, n in plan.speed_shapes:
         for m in plan.speed_rows:
-            task = {"op": "linear", "params": {"k": k, "n": n, "bias": False}, "dtype": "bfloat16", "batch": m,
-                    "target_s": plan.target_s}
+            task = {
+                "op": "linear",
+                "params": {"k": k, "n": n, "bias": False},
+                "dtype": "bfloat16",
+                "batch": m,
+                "target_s": plan.target_s,
+            }
             row = {"k": k, "n": n, "m": m, "dtype": "bfloat16", **paired(workers, "time_op", plan.repeats, **task)}
             rows.append(row)
             log(f"F.linear bf16 K={k} N={n} M={m}: on/off {row['on_over_off']}")
@@ -366,8 +416,14 @@ def run_op_speed(workers: dict, plan: Plan, rows: list, log) -> None:
         for dtype in plan.dtypes:
             for batch in plan.speed_op_batches:
                 task = {"op": op, "params": params, "dtype": dtype, "batch": batch, "target_s": plan.target_s}
-                row = {"name": name, "op": op, "params": params, "dtype": dtype, "batch": batch,
-                       **paired(workers, "time_op", plan.repeats, **task)}
+                row = {
+                    "name": name,
+                    "op": op,
+                    "params": params,
+                    "dtype": dtype,
+                    "batch": batch,
+                    **paired(workers, "time_op", plan.repeats, **task),
+                }
                 rows.append(row)
                 log(f"{name} {dtype} batch {batch}: on/off {row['on_over_off']}")
 
@@ -378,26 +434,26 @@ def _models() -> tuple:
     return embedded_models("diffusion")
 
 
-def _paths(model: str, paths) -> list:
-    """The render paths that serve `model`. Qwen-Image's own pipeline pads a batch's prompts to the longest, so request
-    batching queues its requests by prompt length and never runs the pipeline path's mixed lengths
-    (docs/invariance.md): it is checked on the engine path only."""
-    from stages.embedded import EMBEDDED_MODELS
-
-    return [p for p in paths if p != "pipeline" or EMBEDDED_MODELS[model].recipe != "qwen"]
-
-
 def run_diffusion_bits(workers: dict, plan: Plan, rows: list, log) -> None:
     for model in _models():
         for dtype in plan.diffusion_dtypes:
             for size in plan.sizes:
-                for path in _paths(model, plan.paths):
-                    task = {"model": model, "dtype": dtype, "size": size, "steps": plan.steps, "path": path,
-                            "batch_sizes": list(plan.bit_batches), "orderings": list(plan.orderings)}
+                for path in plan.paths:
+                    task = {
+                        "model": model,
+                        "dtype": dtype,
+                        "size": size,
+                        "steps": plan.steps,
+                        "path": path,
+                        "batch_sizes": list(plan.bit_batches),
+                        "orderings": list(plan.orderings),
+                    }
                     row = {**task, **{s: workers[s].call("diffusion_bits", **task) for s in SETTINGS}}
                     rows.append(row)
-                    log(f"diffusion bits {model} {dtype} {size}px {path}: on {row['on']['differing']}/"
-                        f"{row['on']['arrangements']} differ, off {row['off']['differing']}/{row['off']['arrangements']}")
+                    log(
+                        f"diffusion bits {model} {dtype} {size}px {path}: on {row['on']['differing']}/"
+                        f"{row['on']['arrangements']} differ, off {row['off']['differing']}/{row['off']['arrangements']}"
+                    )
 
 
 def run_diffusion_speed(workers: dict, plan: Plan, rows: list, log) -> None:
@@ -410,8 +466,10 @@ def run_diffusion_speed(workers: dict, plan: Plan, rows: list, log) -> None:
                     row["images_per_s_off"] = round(batch / row["seconds_off"]["median"], 3)
                     row["images_per_s_on"] = round(batch / row["seconds_on"]["median"], 3)
                     rows.append(row)
-                    log(f"diffusion {model} {dtype} {size}px batch {batch}: {row['images_per_s_off']} -> "
-                        f"{row['images_per_s_on']} img/s, on/off {row['on_over_off']}")
+                    log(
+                        f"diffusion {model} {dtype} {size}px batch {batch}: {row['images_per_s_off']} -> "
+                        f"{row['images_per_s_on']} img/s, on/off {row['on_over_off']}"
+                    )
 
 
 SECTIONS = {
@@ -428,33 +486,67 @@ SECTIONS = {
 
 def checks(report: dict) -> list[dict]:
     """What must hold; a section that failed to run is a failed check too."""
-    out = [{"name": "kernels installed on the device", "passed": bool(report["kernels"].get("on", {}).get("installed")),
-            "detail": report["kernels"].get("on", {}).get("reason", "")}]
+    out = [
+        {
+            "name": "kernels installed on the device",
+            "passed": bool(report["kernels"].get("on", {}).get("installed")),
+            "detail": report["kernels"].get("on", {}).get("reason", ""),
+        }
+    ]
     for row in report["invariance"]:
-        out.append({"name": f"invariance on: {row['name']} {row['dtype']}", "passed": row["on"]["differing"] == 0,
-                    "detail": f"{row['on']['differing']}/{row['on']['cases']} cases differ (stock: {row['off']['differing']})"})
+        out.append(
+            {
+                "name": f"invariance on: {row['name']} {row['dtype']}",
+                "passed": row["on"]["differing"] == 0,
+                "detail": f"{row['on']['differing']}/{row['on']['cases']} cases differ (stock: {row['off']['differing']})",
+            }
+        )
     for row in report["diffusion_bits"]:
-        out.append({"name": f"diffusion bits on: {row['model']} {row['dtype']} {row['size']}px {row['path']}",
-                    "passed": row["on"]["differing"] == 0,
-                    "detail": f"{row['on']['differing']}/{row['on']['arrangements']} arrangements differ "
-                              f"(stock: {row['off']['differing']})"})
+        out.append(
+            {
+                "name": f"diffusion bits on: {row['model']} {row['dtype']} {row['size']}px {row['path']}",
+                "passed": row["on"]["differing"] == 0,
+                "detail": f"{row['on']['differing']}/{row['on']['arrangements']} arrangements differ "
+                f"(stock: {row['off']['differing']})",
+            }
+        )
     for row in report["linear_speed"]:
         ratio = row["on_over_off"]["median"]
-        out.append({"name": f"speed F.linear bf16 K={row['k']} N={row['n']} M={row['m']} on/off >= {LINEAR_MIN_RATIO}",
-                    "passed": ratio >= LINEAR_MIN_RATIO, "detail": f"median {ratio} (min {row['on_over_off']['min']})"})
+        out.append(
+            {
+                "name": f"speed F.linear bf16 K={row['k']} N={row['n']} M={row['m']} on/off >= {LINEAR_MIN_RATIO}",
+                "passed": ratio >= LINEAR_MIN_RATIO,
+                "detail": f"median {ratio} (min {row['on_over_off']['min']})",
+            }
+        )
     for row in report["diffusion_speed"]:
         ratio = row["on_over_off"]["median"]
-        out.append({"name": f"speed diffusion {row['model']} {row['dtype']} {row['size']}px batch {row['batch']} "
-                            f"on/off >= {DIFFUSION_MIN_RATIO}",
-                    "passed": ratio >= DIFFUSION_MIN_RATIO, "detail": f"median {ratio} (min {row['on_over_off']['min']})"})
+        out.append(
+            {
+                "name": f"speed diffusion {row['model']} {row['dtype']} {row['size']}px batch {row['batch']} "
+                f"on/off >= {DIFFUSION_MIN_RATIO}",
+                "passed": ratio >= DIFFUSION_MIN_RATIO,
+                "detail": f"median {ratio} (min {row['on_over_off']['min']})",
+            }
+        )
     for error in report["errors"]:
-        out.append({"name": f"section {error['section']} ran", "passed": False, "detail": error["error"].strip().splitlines()[-1]})
+        out.append(
+            {
+                "name": f"section {error['section']} ran",
+                "passed": False,
+                "detail": error["error"].strip().splitlines()[-1],
+            }
+        )
     return out
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows), ""]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows),
+        "",
+    ]
 
 
 def _ratio(spread_: dict) -> str:
@@ -463,31 +555,74 @@ def _ratio(spread_: dict) -> str:
 
 def markdown(report: dict) -> str:
     env, hw = report["environment"], report["environment"]["hardware"]
-    lines = [f"# GPU check ({'quick dry run, not evidence' if report['quick'] else 'full'}) on {report['device']}", "",
-             f"Device: {report['device_info']}. CPU: {hw['cpu']}. Versions: "
-             + ", ".join(f"{name} {version}" for name, version in env["versions"].items() if version) + ".",
-             f"Command: `{env['command']}`. {report['seconds']} s. Ratios: time(off)/time(on), median (min-max) "
-             f"over paired repeats.", "", "## Checks", "", "```",
-             *(f"{'PASS' if c['passed'] else 'FAIL'}  {c['name']}: {c['detail']}" for c in report["checks"]), "```", ""]
+    lines = [
+        f"# GPU check ({'quick dry run, not evidence' if report['quick'] else 'full'}) on {report['device']}",
+        "",
+        f"Device: {report['device_info']}. CPU: {hw['cpu']}. Versions: "
+        + ", ".join(f"{name} {version}" for name, version in env["versions"].items() if version)
+        + ".",
+        f"Command: `{env['command']}`. {report['seconds']} s. Ratios: time(off)/time(on), median (min-max) "
+        f"over paired repeats.",
+        "",
+        "## Checks",
+        "",
+        "```",
+        *(f"{'PASS' if c['passed'] else 'FAIL'}  {c['name']}: {c['detail']}" for c in report["checks"]),
+        "```",
+        "",
+    ]
     lines += ["## Invariance (differing cases / cases)", ""] + _table(
         ["case", "dtype", "on", "off (control)"],
-        [[r["name"], r["dtype"], f"{r['on']['differing']}/{r['on']['cases']}", f"{r['off']['differing']}/{r['off']['cases']}"]
-         for r in report["invariance"]])
+        [
+            [
+                r["name"],
+                r["dtype"],
+                f"{r['on']['differing']}/{r['on']['cases']}",
+                f"{r['off']['differing']}/{r['off']['cases']}",
+            ]
+            for r in report["invariance"]
+        ],
+    )
     lines += ["## F.linear bf16 speed", ""] + _table(
         ["K", "N", "M", "s/call off", "s/call on", "on/off"],
-        [[r["k"], r["n"], r["m"], r["seconds_off"]["median"], r["seconds_on"]["median"], _ratio(r["on_over_off"])]
-         for r in report["linear_speed"]])
+        [
+            [r["k"], r["n"], r["m"], r["seconds_off"]["median"], r["seconds_on"]["median"], _ratio(r["on_over_off"])]
+            for r in report["linear_speed"]
+        ],
+    )
     lines += ["## conv2d / group_norm speed", ""] + _table(
         ["case", "dtype", "batch", "on/off"],
-        [[r["name"], r["dtype"], r["batch"], _ratio(r["on_over_off"])] for r in report["op_speed"]])
+        [[r["name"], r["dtype"], r["batch"], _ratio(r["on_over_off"])] for r in report["op_speed"]],
+    )
     lines += ["## Diffusion bits (differing arrangements / arrangements)", ""] + _table(
         ["model", "dtype", "size", "path", "on", "off (control)"],
-        [[r["model"], r["dtype"], r["size"], r["path"], f"{r['on']['differing']}/{r['on']['arrangements']}",
-          f"{r['off']['differing']}/{r['off']['arrangements']}"] for r in report["diffusion_bits"]])
+        [
+            [
+                r["model"],
+                r["dtype"],
+                r["size"],
+                r["path"],
+                f"{r['on']['differing']}/{r['on']['arrangements']}",
+                f"{r['off']['differing']}/{r['off']['arrangements']}",
+            ]
+            for r in report["diffusion_bits"]
+        ],
+    )
     lines += ["## Diffusion images/s", ""] + _table(
         ["model", "dtype", "size", "batch", "img/s off", "img/s on", "on/off"],
-        [[r["model"], r["dtype"], r["size"], r["batch"], r["images_per_s_off"], r["images_per_s_on"], _ratio(r["on_over_off"])]
-         for r in report["diffusion_speed"]])
+        [
+            [
+                r["model"],
+                r["dtype"],
+                r["size"],
+                r["batch"],
+                r["images_per_s_off"],
+                r["images_per_s_on"],
+                _ratio(r["on_over_off"]),
+            ]
+            for r in report["diffusion_speed"]
+        ],
+    )
     return "\n".join(lines)
 
 
@@ -507,15 +642,26 @@ def device_info(device: str) -> str:
     return f"CPU ({torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} torch threads)"
 
 
-def run(device: str, plan: Plan, quick: bool, out: Path, log, *, only: tuple = tuple(SECTIONS), budget_s: float = 450.0) -> dict:
+def run(
+    device: str, plan: Plan, quick: bool, out: Path, log, *, only: tuple = tuple(SECTIONS), budget_s: float = 450.0
+) -> dict:
     from stages.audit.report import environment
 
     started = time.perf_counter()
-    report = {"schema": SCHEMA, "device": device, "device_info": device_info(device), "quick": quick,
-              "plan": asdict(plan), "thresholds": {"linear_bf16_on_over_off": LINEAR_MIN_RATIO,
-                                                   "diffusion_on_over_off": DIFFUSION_MIN_RATIO},
-              "environment": environment(), "kernels": {}, "errors": [], "section_seconds": {},
-              **{name: [] for name in SECTIONS}, "seconds": 0.0}
+    report = {
+        "schema": SCHEMA,
+        "device": device,
+        "device_info": device_info(device),
+        "quick": quick,
+        "plan": asdict(plan),
+        "thresholds": {"linear_bf16_on_over_off": LINEAR_MIN_RATIO, "diffusion_on_over_off": DIFFUSION_MIN_RATIO},
+        "environment": environment(),
+        "kernels": {},
+        "errors": [],
+        "section_seconds": {},
+        **{name: [] for name in SECTIONS},
+        "seconds": 0.0,
+    }
     workers = {setting: Worker(device, setting) for setting in SETTINGS}  # both start (import) at once
     try:
         for setting, worker in workers.items():
@@ -550,17 +696,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu-check.json and gpu-check.md")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every code path, not evidence")
-    parser.add_argument("--only", nargs="+", choices=tuple(SECTIONS), default=tuple(SECTIONS),
-                        help="run these sections only (e.g. to rerun what a run cut short left out)")
-    parser.add_argument("--budget-s", type=float, default=450.0,
-                        help="start no section after this many seconds (each one then fails as not run)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=tuple(SECTIONS),
+        default=tuple(SECTIONS),
+        help="run these sections only (e.g. to rerun what a run cut short left out)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="start no section after this many seconds (each one then fails as not run)",
+    )
     args = parser.parse_args(argv)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: refusing: --device cuda but torch sees no CUDA device here "
-              f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). Run it on a GPU machine after "
-              "`make setup EXTRA=cuda`, or dry-run it with --device cpu --quick.", file=sys.stderr)
+        print(
+            "gpu_check: refusing: --device cuda but torch sees no CUDA device here "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). Run it on a GPU machine after "
+            "`make setup EXTRA=cuda`, or dry-run it with --device cpu --quick.",
+            file=sys.stderr,
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -568,8 +726,15 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[gpu_check {time.perf_counter() - start:6.1f}s] {message}", flush=True)
 
-    report = run(args.device, QUICK if args.quick else FULL, args.quick, args.out, log, only=tuple(args.only),
-                 budget_s=args.budget_s)
+    report = run(
+        args.device,
+        QUICK if args.quick else FULL,
+        args.quick,
+        args.out,
+        log,
+        only=tuple(args.only),
+        budget_s=args.budget_s,
+    )
     write(report, args.out)
     for check in report["checks"]:
         print(f"{'PASS' if check['passed'] else 'FAIL'}  {check['name']}: {check['detail']}")

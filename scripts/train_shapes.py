@@ -52,9 +52,14 @@ def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         trained = Path(scratch) / "model"
-        record = train(TrainingPlan(), trained, log=lambda line: print(f"[{time.perf_counter() - started:6.0f}s] {line}"))
-        record.update(versions={name: version(name) for name in LIBRARIES}, weights_sha256=weights_fingerprint(trained),
-                      held_out_hit_rate=quality(trained))
+        record = train(
+            TrainingPlan(), trained, log=lambda line: print(f"[{time.perf_counter() - started:6.0f}s] {line}")
+        )
+        record.update(
+            versions={name: version(name) for name in LIBRARIES},
+            weights_sha256=weights_fingerprint(trained),
+            held_out_hit_rate=quality(trained),
+        )
         (trained / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         print(json.dumps(record, indent=2, sort_keys=True))
         if args.check:

@@ -94,6 +94,19 @@ def batches(batch_sizes: Sequence[int], orderings: Sequence[str]) -> list[tuple[
 def render(
     renderer: DiffusionRenderer, requests: list[tuple[str, int]], params: DiffusionSamplingParams
 ) -> list[Sample]:
+    """Run the requests through the stage's renderer as request batching queues them: one batch per request group
+    (`DiffusionRenderer.request_group`: all of them, but for Qwen-Image, whose prompts batch by token count)."""
+    jobs = [Job(prompt, params.model_copy(update={"seed": seed})) for prompt, seed in requests]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, job in enumerate(jobs):
+        groups.setdefault(renderer.request_group(job), []).append(index)
+    samples: dict[int, Sample] = {}
+    for members in groups.values():
+        samples.update(zip(members, _render_batch(renderer, [jobs[i] for i in members]), strict=True))
+    return [samples[i] for i in range(len(jobs))]
+
+
+def _render_batch(renderer: DiffusionRenderer, jobs: list[Job]) -> list[Sample]:
     """Run one batch through the stage's renderer, capturing initial and final latents per sample."""
     captured: dict[str, torch.Tensor] = {}
     pipe = renderer.pipe
@@ -108,7 +121,6 @@ def render(
         captured["final"] = tensors["latents"].detach().clone()
         return tensors
 
-    jobs = [Job(prompt, params.model_copy(update={"seed": seed})) for prompt, seed in requests]
     pipe.prepare_latents = prepare_latents
     try:
         images = renderer.render(jobs, callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"])

@@ -218,17 +218,18 @@ class DiffusionRenderer:
             )
         self.model = config.model or DEFAULT_MODELS["diffusion"]
         self.pipe = load_pipeline(self.model, device=self.device, dtype=config.dtype)
-        # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size.
-        patch = getattr(getattr(self.pipe, "transformer", None), "config", None)
-        self.size_multiple = self.pipe.vae_scale_factor * (getattr(patch, "patch_size", 1) or 1)
         self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters
         # Stretching one sigma to a terminal value divides 0 by 0 in diffusers' FlowMatchEulerDiscreteScheduler
         # (Qwen-Image's): its image would be NaN.
         self.min_steps = 2 if self.pipe.scheduler.config.get("shift_terminal") else 1
         self.family = family_for(self.pipe)  # None: the step engine does not know this pipeline
-        if self.family is not None and self.family.latent_packing > 1:
-            # FLUX and Qwen-Image pack 2x2 latent pixels into one token: that packing is their transformer's patching.
-            self.size_multiple = self.pipe.vae_scale_factor * self.family.latent_packing
+        # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size, or, where the family packs
+        # 2x2 latent pixels into one token (FLUX, Qwen-Image), times that packing (their transformer's patching).
+        packing = self.family.latent_packing if self.family is not None else 1
+        patch = getattr(getattr(self.pipe, "transformer", None), "config", None)
+        self.size_multiple = self.pipe.vae_scale_factor * (
+            packing if packing > 1 else getattr(patch, "patch_size", 1) or 1
+        )
         self.defaults = model_defaults(self.pipe, self.model, self.size_multiple, config)
         component = self.family.denoiser_name if self.family else "unet"
         self.loras = AdapterLibrary(config.lora_dir, type(self.pipe), component, config.lora_cache_mib << 20)

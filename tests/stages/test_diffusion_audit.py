@@ -15,8 +15,9 @@ UNET, DIT, SDXL, FLUX, QWEN = embedded_models("diffusion")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model,path",
-    # Qwen-Image's own pipeline pads a batch's prompts (the pipeline path's neighbours have other lengths), so request
-    # batching groups it by prompt length: tests/stages/test_model_directory.py checks that, with its control.
+    # Qwen-Image's requests batch by prompt length (its pipeline pads a batch's prompts), and the pipeline path batches
+    # as request batching does: its target, whose neighbours have other lengths, renders alone there, so no control
+    # could vary. tests/stages/test_model_directory.py checks the grouping, with its control.
     [(model, path) for model in (UNET, DIT, SDXL, FLUX) for path in ("engine", "pipeline")] + [(QWEN, "engine")],
 )
 def test_diffusion_audit_kernels_on_bit_identical_and_control_differs(model, path):

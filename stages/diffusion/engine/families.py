@@ -418,10 +418,9 @@ class PackedFamily(Family):
         sigmas: Any = sample.params.sigmas or np.linspace(1.0, 1 / steps, steps)  # diffusers' FLUX default
         if config.get("use_flow_sigmas", False):
             sigmas = None
-        height, width = sample.shape
-        side = self.pipe.vae_scale_factor * self.latent_packing
+        rows, columns = self.token_grid(sample)
         mu = calculate_shift(
-            (height // side) * (width // side),
+            rows * columns,
             config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5),
@@ -430,6 +429,12 @@ class PackedFamily(Family):
         timesteps = _timesteps(sample.scheduler, steps, self.device, sigmas, mu=mu)
         sample.scheduler.set_begin_index(0)  # as the pipeline's `__call__` does (an edit's preparation moves it)
         return timesteps
+
+    def token_grid(self, sample: Sample) -> tuple[int, int]:
+        """The sample's image tokens: rows and columns of packed latent pixels."""
+        height, width = sample.shape
+        side = self.pipe.vae_scale_factor * self.latent_packing
+        return height // side, width // side
 
     def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         return self.pipe._unpack_latents(latents, *shape, self.pipe.vae_scale_factor)
@@ -550,14 +555,13 @@ class FluxFamily(PackedFamily):
 
 class QwenImageFamily(PackedFamily):
     """QwenImagePipeline: FLUX's packed 2x2 latents, sigmas and resolution shift (its unpacked latents: (N, C, 1 frame,
-    h, w)), with its own MMDiT call. Its prompt is
-        the Qwen2.5-VL encoder's last hidden state over the chat template, without the template's system prefix, so every
-        prompt has its own length: a call's text is padded to the longest like its image tokens, and attention runs per
-        row over that row's own text and image (`PackedQwenAttnProcessor`) with the RoPE tables its solo call computes.
-        No distilled guidance (a request's `guidance_scale` is ignored, as diffusers ignores it); with a negative prompt
-        and `true_cfg_scale` > 1 (the pipeline's default: 4), a second row on the negative prompt, combined and rescaled
-        to the positive prediction's norm as diffusers does. The VAE is 3-D (one frame) and decodes one image at a time
-    (`decodes_alone`)."""
+    h, w)), with its own MMDiT call. Its prompt is the Qwen2.5-VL encoder's last hidden state over the chat template,
+    without the template's system prefix, so every prompt has its own length: a call's text is padded to the longest
+    like its image tokens, and attention runs per row over that row's own text and image (`PackedQwenAttnProcessor`)
+    with the RoPE tables its solo call computes. No distilled guidance (a request's `guidance_scale` is ignored, as
+    diffusers ignores it); with a negative prompt and `true_cfg_scale` > 1 (the pipeline's default: 4), a second row on
+    the negative prompt, combined and rescaled to the positive prediction's norm as diffusers does. The VAE is 3-D (one
+    frame) and decodes one image at a time (`decodes_alone`)."""
 
     edit_pipeline = QwenImageImg2ImgPipeline
     #: QwenImagePipeline's default `max_sequence_length`.
@@ -628,9 +632,7 @@ class QwenImageFamily(PackedFamily):
 
     def image_shape(self, sample: Sample) -> list[tuple[int, int, int]]:
         """QwenImagePipeline's `img_shapes` entry: (frames, token rows, token columns)."""
-        height, width = sample.shape
-        side = self.pipe.vae_scale_factor * self.latent_packing
-        return [(1, height // side, width // side)]
+        return [(1, *self.token_grid(sample))]
 
     def denoise(self, samples: list[Sample]) -> list[torch.Tensor]:
         rows = [(s, text) for s in samples for text in s.conditioning["rows"]]
