@@ -26,7 +26,7 @@ from stages.diffusion.engine import family_for
 from stages.diffusion.engine.families import vae_slicing
 from stages.diffusion.engine.sample import seeded_generator
 from stages.diffusion.lora import AdapterLibrary
-from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
+from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_adapters
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,14 @@ class DiffusionRenderer:
         )
         self.defaults = model_defaults(self.pipe, self.model, self.size_multiple, config)
         component = self.family.denoiser_name if self.family else "unet"
-        self.loras = AdapterLibrary(config.lora_dir, type(self.pipe), component, config.lora_cache_mib << 20)
+        self.loras = AdapterLibrary(
+            config.lora_dir if config.lora_dir is not None else embedded_adapters(self.model),
+            type(self.pipe),
+            component,
+            config.lora_cache_mib << 20,
+            dtype=getattr(self.pipe, component).dtype,
+            device=self.pipe.device,
+        )
         if self.family is not None:
             self.family.library = self.loras
         call = inspect.signature(self.pipe.__call__).parameters

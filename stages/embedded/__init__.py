@@ -35,6 +35,7 @@ __all__ = [
     "MARKER",
     "build_cached",
     "cache_root",
+    "embedded_adapters",
     "embedded_models",
 ]
 
@@ -50,12 +51,22 @@ class EmbeddedModel:
     # A pipeline the step engine has no family for, built to show the whole-request fallback: not in the audited and
     # benchmarked set (`embedded_models`).
     fallback: bool = False
+    # Its LoRA adapters (committed, `stages.embedded.shapes_lora`): the adapters directory a replica serving it uses
+    # when its config names none (`lora_dir`).
+    adapters: str | None = None
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     m.id: m
     for m in (
-        EmbeddedModel("omniserve/tiny-shapes-sd", "diffusion", "shapes", default=True, trained=True),
+        EmbeddedModel(
+            "omniserve/tiny-shapes-sd",
+            "diffusion",
+            "shapes",
+            default=True,
+            trained=True,
+            adapters="tiny-shapes-sd-loras",
+        ),
         EmbeddedModel("omniserve/tiny-sd-unet", "diffusion", "unet"),
         EmbeddedModel("omniserve/tiny-sd3-dit", "diffusion", "dit"),
         EmbeddedModel("omniserve/tiny-sdxl-unet", "diffusion", "sdxl"),
@@ -78,6 +89,12 @@ def embedded_models(stage: str) -> tuple[str, ...]:
     """
     ids = [m.id for m in EMBEDDED_MODELS.values() if m.stage == stage and not m.trained and not m.fallback]
     return tuple(sorted(ids, key=lambda i: i != DEFAULT_MODELS[stage]))
+
+
+def embedded_adapters(model: str) -> str | None:
+    """The committed adapters directory of embedded model `model`; None for any other model."""
+    entry = EMBEDDED_MODELS.get(model)
+    return str(Path(__file__).resolve().parent / entry.adapters) if entry and entry.adapters else None
 
 
 #: Written last into a built directory: its presence means the build is complete.

@@ -41,6 +41,9 @@ SIDE = 64
 #: Shape radius in pixels per size word; the centre per position word.
 RADIUS = {"small": 9, "large": 16}
 CENTRE = {"left": (16, 32), "right": (48, 32), "top": (32, 16), "bottom": (32, 48), "centered": (32, 32)}
+#: A pair (`Scene.pair`): two copies side by side, this radius whatever the size word. The base model never draws
+#: two shapes; the trained LoRA adapter "twins" (`stages.embedded.shapes_lora`) teaches it to.
+PAIR_CENTRES, PAIR_RADIUS = ((17, 32), (47, 32)), 10
 
 #: (shape, colour, background) never shown in training: every 10th triple, and the issue's own example.
 _TRIPLES = [t for t in product(SHAPES, COLOURS, COLOURS) if t[1] != t[2]]
@@ -56,6 +59,7 @@ class Scene:
     background: str = DEFAULT_BACKGROUND
     size: str = DEFAULT_SIZE
     position: str = DEFAULT_POSITION
+    pair: bool = False  # two copies side by side (PAIR_CENTRES) in place of one at its size and position
 
     def render(self) -> np.ndarray:
         """The scene as uint8 HxWx3."""
@@ -75,16 +79,23 @@ class Scene:
 
 
 def _draw(draw, scene: Scene, fill) -> None:
-    r = RADIUS[scene.size]
-    x, y = CENTRE[scene.position]
+    if scene.pair:
+        for centre in PAIR_CENTRES:
+            _draw_at(draw, scene.shape, centre, PAIR_RADIUS, fill)
+    else:
+        _draw_at(draw, scene.shape, CENTRE[scene.position], RADIUS[scene.size], fill)
+
+
+def _draw_at(draw, shape: str, centre: tuple[int, int], r: float, fill) -> None:
+    x, y = centre
     box = (x - r, y - r, x + r, y + r)
-    if scene.shape == "circle":
+    if shape == "circle":
         draw.ellipse(box, fill=fill)
-    elif scene.shape == "square":
+    elif shape == "square":
         draw.rectangle((x - r * 0.85, y - r * 0.85, x + r * 0.85, y + r * 0.85), fill=fill)
-    elif scene.shape == "triangle":
+    elif shape == "triangle":
         draw.polygon([(x, y - r), (x + r, y + r * 0.8), (x - r, y + r * 0.8)], fill=fill)
-    elif scene.shape == "star":
+    elif shape == "star":
         points = [
             (
                 x + (r if k % 2 == 0 else r * 0.45) * np.sin(k * np.pi / 5),
@@ -186,6 +197,32 @@ def drawn_as_said(image: np.ndarray, scene: Scene, share: float = 0.5) -> bool:
 def drawn_area(image: np.ndarray, background: str) -> int:
     """How many pixels are not nearest to `background`."""
     return int((nearest_colour(image) != list(COLOURS).index(background)).sum())
+
+
+def components(region: np.ndarray, min_size: int = MIN_DRAWN) -> list[int]:
+    """The sizes of `region`'s 4-connected parts of at least `min_size` pixels, largest first (how many shapes are
+    drawn: `drawn_as_said` reads colours only)."""
+    seen = np.zeros_like(region, dtype=bool)
+    sizes = []
+    for start in zip(*np.nonzero(region), strict=True):
+        if seen[start]:
+            continue
+        seen[start], stack, size = True, [start], 0
+        while stack:
+            y, x = stack.pop()
+            size += 1
+            for v, u in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                if 0 <= v < region.shape[0] and 0 <= u < region.shape[1] and region[v, u] and not seen[v, u]:
+                    seen[v, u] = True
+                    stack.append((v, u))
+        sizes.append(size)
+    return sorted((s for s in sizes if s >= min_size), reverse=True)
+
+
+def drawn_twice(image: np.ndarray, scene: Scene) -> bool:
+    """Whether `image` has `scene`'s background and two or more separate parts (`components`) in its shape's colour."""
+    region = nearest_colour(image) == list(COLOURS).index(scene.colour)
+    return background_as_said(image, scene.background) and len(components(region)) >= 2
 
 
 def centroid(image: np.ndarray, background: str) -> tuple[float, float]:

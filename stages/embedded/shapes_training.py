@@ -30,7 +30,7 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from .shapes import caption, training_scenes, word_tokenizer
+from .shapes import Scene, caption, training_scenes, word_tokenizer
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -204,13 +204,7 @@ def _train_denoiser(unet, text_encoder, tokenizer, scenes, latents: torch.Tensor
     running = 0.0
     for step in range(plan.unet_steps):
         picked = torch.randint(len(scenes), (plan.unet_batch,))
-        texts = [
-            "" if captions.randrange(UNCONDITIONAL_EVERY) == 0 else caption(scenes[i], captions)
-            for i in picked.tolist()
-        ]
-        ids = tokenizer(
-            texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
-        ).input_ids
+        ids = caption_ids(tokenizer, [scenes[i] for i in picked.tolist()], captions)
         noise = torch.randn_like(latents[picked])
         timesteps = torch.randint(noise_schedule.config.num_train_timesteps, (plan.unet_batch,))
         noisy = noise_schedule.add_noise(latents[picked], noise, timesteps)
@@ -223,6 +217,15 @@ def _train_denoiser(unet, text_encoder, tokenizer, scenes, latents: torch.Tensor
     unet.eval()
     text_encoder.eval()
     return round(running, 5)
+
+
+def caption_ids(tokenizer, scenes: list[Scene], captions: random.Random) -> torch.Tensor:
+    """A training batch's captions as token ids: one caption of each scene drawn from `captions`, one in
+    UNCONDITIONAL_EVERY the empty prompt (the unconditional branch classifier-free guidance needs)."""
+    texts = ["" if captions.randrange(UNCONDITIONAL_EVERY) == 0 else caption(scene, captions) for scene in scenes]
+    return tokenizer(
+        texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
 
 
 def _target(noise_schedule: DDPMScheduler, latents, noise, timesteps) -> torch.Tensor:

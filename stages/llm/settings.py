@@ -141,6 +141,8 @@ def _switch_environment(device: str, batch_invariant: bool) -> dict[str, str]:
         return {"VLLM_BATCH_INVARIANT": "1"}
     # CPU on: our kernels inside vLLM's own processes (stages.kernels.vllm_cpu, a vLLM plugin); off: not.
     environment = vllm_cpu.engine_environment(batch_invariant)
-    if device == "cuda":
-        environment["VLLM_BATCH_INVARIANT"] = "0"
+    # vLLM's own mode stays off otherwise, whatever the process inherited: on CPU it is CUDA's (Triton kernels), and a
+    # global VLLM_BATCH_INVARIANT=1 (the documented switch for both stages) made the CPU engine core's first forward
+    # fail (measured, vLLM 0.32: "TypeError: 'function' object is not subscriptable", the engine dead).
+    environment["VLLM_BATCH_INVARIANT"] = "0"
     return environment

@@ -335,9 +335,10 @@ def test_unknown_route_and_wrong_method_are_4xx_in_the_openai_shape(http):
     assert http.get("/v1/images/generations").status_code == 405
 
 
-def test_loras_lists_none_here_and_a_bad_adapter_request_is_a_4xx_naming_lora(http):
-    """This app configures no adapters directory (tests/stages/test_lora.py renders with adapters)."""
-    assert http.get("/v1/loras").json() == {"object": "list", "data": []}
+def test_loras_lists_the_default_models_own_adapter_and_a_bad_adapter_request_is_a_4xx_naming_lora(http):
+    """This app configures no adapters directory: the embedded default's committed "twins" is what it serves
+    (tests/orchestration/test_loras_http.py renders with adapters over HTTP)."""
+    assert http.get("/v1/loras").json() == {"object": "list", "data": [{"id": "twins", "object": "lora"}]}
     body = {"prompt": "a fox", "seed": 1, "size": "64x64", "enhance_prompt": False}
     for lora, status in [([{"name": "nowhere"}], 404), ([{"name": f"a{i}"} for i in range(5)], 400),
                          ([{"name": "a", "scale": 9}], 400), ([{"name": "a", "weight": 1}], 400)]:

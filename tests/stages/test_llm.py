@@ -136,7 +136,9 @@ def test_llm_switch_on_cpu_sets_plugin_environment_and_invariant_engine_args():
 def test_llm_switch_off_leaves_the_plugin_off_and_vllm_defaults_alone():
     off = settings(False)
     # The one other variable keeps the worker in the engine-core process, switch on or off (stages.llm.settings).
-    assert off.environment == {vllm_cpu.SWITCH_ENV: "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert off.environment == {
+        vllm_cpu.SWITCH_ENV: "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_BATCH_INVARIANT": "0"
+    }
     assert "enable_prefix_caching" not in off.args
 
 
@@ -305,6 +307,29 @@ def test_llm_engine_resolves_the_switch_once_and_describes_itself_before_start(c
     assert info.details["model_path"] == "org/some-instruct-model" and not info.details["embedded"]
     assert "model" not in info.details["engine_args"] and info.details["startup_s"] is None
     assert LLMEngine({"model": "org/m", "batch_invariant": False}).batch_invariant is False
+
+
+@pytest.mark.slow
+def test_llm_cpu_engine_switched_on_by_vllms_global_variable_serves_with_our_kernels(clean_switches):
+    """VLLM_BATCH_INVARIANT=1, the documented switch for both stages, turns the CPU stage on, and the engine serves:
+    vLLM's own mode (CUDA's) stays off in its processes. Before, it was inherited and the engine core's first forward
+    failed ("'function' object is not subscriptable"; the engine dead)."""
+    import asyncio
+
+    from vllm import SamplingParams
+
+    clean_switches.setenv("VLLM_BATCH_INVARIANT", "1")
+    engine = LLMEngine({"torch_threads": 1})
+    assert engine.batch_invariant is True and engine.settings.environment["VLLM_BATCH_INVARIANT"] == "0"
+
+    async def served():
+        await engine.start()  # checks that every worker installed our kernels
+        try:
+            return await engine.generate([1, 5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, seed=1))
+        finally:
+            engine.shutdown()
+
+    assert len(asyncio.run(served()).token_ids) == 4
 
 
 def test_llm_requests_on_an_engine_that_is_not_started_are_refused():

@@ -221,3 +221,15 @@ def test_the_adapter_cache_keeps_within_its_budget_and_rereads_a_changed_file(pi
                                          for t in (layer.down, layer.up))  # "one" was dropped: over budget
     save_file(lora_state_dict(pipe.unet, 3), str(tmp_path / "two.safetensors"))
     assert library.get("two").sha256 != first.sha256 and library.get("two") is library.get("two")
+
+
+def test_a_calls_updates_run_over_consecutive_rows_per_list_position_and_scale_0_is_none():
+    from stages.diffusion.lora import LoraAdapter, _runs
+
+    a, b = LoraAdapter("a", "", {}), LoraAdapter("b", "", {})
+    rows = [((a, 1.0),), ((a, 1.0),), ((b, 1.0),), ((a, 1.0), (b, 0.5)), ((a, 1.0), (b, 0.5)), (), ((a, 0.0),),
+            ((a, 2.0),)]
+    runs = [(r.adapter.name, r.scale, r.start, r.stop) for r in _runs(rows)]
+    # Position 0 first (rows 0-1 share a's update; row 6's scale 0 adds nothing), then position 1.
+    assert runs == [("a", 1.0, 0, 2), ("b", 1.0, 2, 3), ("a", 1.0, 3, 5), ("a", 2.0, 7, 8), ("b", 0.5, 3, 5)]
+    assert {r.rows for r in _runs(rows)} == {8} and _runs([(), ()]) == []
