@@ -1,4 +1,5 @@
-"""LoRA adapters applied per row of a denoiser call, without merging (issue 24, item 3: the mechanism).
+"""LoRA adapters applied per row of a denoiser call, without merging (issue 24, item 3: the mechanism); and of a text
+encoder call, where the format carries text-encoder layers and the family encodes every sample's prompt in one call.
 
 The base weights stay untouched. Each adapted layer (an `nn.Linear` an adapter names) gets a forward hook that adds,
 to each row of its output, that row's adapters' low-rank updates, `scale * B(A x)`, one adapter after another in the
@@ -22,6 +23,7 @@ each adapter's sha256, which provenance then carries.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import threading
 from collections import OrderedDict
@@ -63,7 +65,12 @@ class LoraLayer:
 class LoraAdapter:
     name: str
     sha256: str  # of its weights file: what provenance names
-    layers: Mapping[str, LoraLayer]  # the denoiser's module path -> its update
+    layers: Mapping[str, LoraLayer]  # "<component>.<module path>" -> its update
+
+    @property
+    def components(self) -> frozenset[str]:
+        """The pipeline components it adapts ("unet", "text_encoder", ...)."""
+        return frozenset(key.split(".", 1)[0] for key in self.layers)
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> LoraAdapter:
         """The adapter with its weights in the denoiser's dtype and on its device: cast once, not at every call."""
@@ -79,62 +86,77 @@ RowAdapters = tuple[tuple[LoraAdapter, float], ...]
 
 
 def adapter_from_state_dict(
-    name: str, sha256: str, state_dict: Mapping[str, torch.Tensor], component: str
+    name: str, sha256: str, state_dict: Mapping[str, torch.Tensor], components: Sequence[str]
 ) -> LoraAdapter:
-    """The updates of `component` ("unet", "transformer") from PEFT-format keys; other components' keys are left."""
-    prefix = f"{component}."
+    """The updates of `components` ("unet" or "transformer", "text_encoder", ...) from PEFT-format keys, keyed by
+    "<component>.<module path>"; other components' keys are left."""
     downs = {
-        k[len(prefix) : -len(".lora_A.weight")]: v
+        k.removesuffix(".lora_A.weight"): v
         for k, v in state_dict.items()
-        if k.startswith(prefix) and k.endswith(".lora_A.weight")
+        if k.split(".", 1)[0] in components and k.endswith(".lora_A.weight")
     }
     layers = {}
-    for path, down in downs.items():
-        up = state_dict.get(f"{prefix}{path}.lora_B.weight")
+    for key, down in downs.items():
+        up = state_dict.get(f"{key}.lora_B.weight")
         if up is None or down.dim() != 2 or up.dim() != 2 or up.shape[1] != down.shape[0]:
-            raise LoraFormatError(f"adapter {name!r}: {path} has no matching lora_B of rank {down.shape[0]}")
-        alpha = state_dict.get(f"{prefix}{path}.alpha")
+            raise LoraFormatError(f"adapter {name!r}: {key} has no matching lora_B of rank {down.shape[0]}")
+        alpha = state_dict.get(f"{key}.alpha")
         rank = down.shape[0]
-        layers[path] = LoraLayer(down, up, (float(alpha) if alpha is not None else float(rank)) / rank)
+        layers[key] = LoraLayer(down, up, (float(alpha) if alpha is not None else float(rank)) / rank)
     if not layers:
-        raise LoraFormatError(f"adapter {name!r} adapts no layer of the {component}")
+        raise LoraFormatError(f"adapter {name!r} adapts no layer of the {' or '.join(components)}")
     return LoraAdapter(name, sha256, layers)
 
 
 def load_adapter(
-    path: Path, name: str, pipeline_class: Any, component: str, dtype: torch.dtype | None = None, device: Any = None
+    path: Path,
+    name: str,
+    pipeline_class: Any,
+    components: Sequence[str],
+    dtype: torch.dtype | None = None,
+    device: Any = None,
 ) -> LoraAdapter:
     """An adapter file as the pipeline class reads it (`lora_state_dict`: kohya and older diffusers keys converted)."""
     from diffusers.utils import convert_unet_state_dict_to_peft
 
-    state_dict, alphas = pipeline_class.lora_state_dict(str(path.parent), weight_name=path.name)[:2]
+    # The pipelines' readers differ: SD's and SDXL's return (state_dict, alphas), FLUX's alphas only when asked,
+    # SD3's the state dict alone.
+    reader = pipeline_class.lora_state_dict
+    asked = {"return_alphas": True} if "return_alphas" in inspect.signature(reader).parameters else {}
+    read = reader(str(path.parent), weight_name=path.name, **asked)
+    state_dict, alphas = (read[0], read[1]) if isinstance(read, tuple) else (read, None)
     state_dict = convert_unet_state_dict_to_peft(dict(state_dict))
     for key, alpha in (alphas or {}).items():  # kohya's per-module alphas, keyed by the module
         state_dict[f"{key.removesuffix('.alpha')}.alpha"] = torch.tensor(alpha)
     sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
-    return adapter_from_state_dict(name, sha256, state_dict, component).to(dtype, device)
+    return adapter_from_state_dict(name, sha256, state_dict, components).to(dtype, device)
 
 
 class RowLora:
-    """The per-row updates of one denoiser: hooks on the layers adapters name, and which adapters each row of the
-    current call uses (`rows`)."""
+    """The per-row updates of one component (the denoiser, a text encoder): hooks on the layers adapters name, and
+    which adapters each row of the current call uses (`rows`)."""
 
-    def __init__(self, denoiser: torch.nn.Module):
-        self.denoiser = denoiser
+    def __init__(self, module: torch.nn.Module, component: str):
+        self.module, self.component = module, component
         self._hooked: dict[str, Any] = {}
         self._runs: list[_Run] = []
 
     def attach(self, adapter: LoraAdapter) -> None:
-        """Hook every layer `adapter` names (once per layer, whatever the adapters); refuse one that does not fit."""
-        for path, layer in adapter.layers.items():
+        """Hook every layer of this component `adapter` names (once per layer, whatever the adapters); refuse one that
+        does not fit."""
+        prefix = f"{self.component}."
+        for key, layer in adapter.layers.items():
+            if not key.startswith(prefix):
+                continue
+            path = key.removeprefix(prefix)
             try:
-                module = self.denoiser.get_submodule(path)
+                module = self.module.get_submodule(path)
             except AttributeError:
-                raise LoraFormatError(f"adapter {adapter.name!r} names {path}, which this model lacks") from None
+                raise LoraFormatError(f"adapter {adapter.name!r} names {key}, which this model lacks") from None
             if not isinstance(module, torch.nn.Linear):
-                raise LoraFormatError(f"adapter {adapter.name!r}: {path} is a {type(module).__name__}, not a Linear")
+                raise LoraFormatError(f"adapter {adapter.name!r}: {key} is a {type(module).__name__}, not a Linear")
             if layer.down.shape[1] != module.in_features or layer.up.shape[0] != module.out_features:
-                raise LoraFormatError(f"adapter {adapter.name!r}: {path}'s shapes do not fit the layer")
+                raise LoraFormatError(f"adapter {adapter.name!r}: {key}'s shapes do not fit the layer")
             if path not in self._hooked:
                 self._hooked[path] = module.register_forward_hook(self._hook(path))
 
@@ -149,15 +171,17 @@ class RowLora:
             self._runs = []
 
     def _hook(self, path: str):
+        key = f"{self.component}.{path}"
+
         def add_updates(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
             # Run by run, in order: each row adds its adapters' updates in its own list order.
             for run in self._runs:
-                layer = run.adapter.layers.get(path)
+                layer = run.adapter.layers.get(key)
                 if layer is None:
                     continue
                 (x,) = inputs
                 if x.shape[0] != run.rows:
-                    raise RuntimeError(f"{path}: {x.shape[0]} rows, {run.rows} assigned")
+                    raise RuntimeError(f"{key}: {x.shape[0]} rows, {run.rows} assigned")
                 rows = slice(run.start, run.stop)  # views: no gather, no scatter
                 # Weights already in the denoiser's dtype (AdapterLibrary casts them once): `to` is then a no-op.
                 update = F.linear(F.linear(x[rows], layer.down.to(x.dtype)), layer.up.to(x.dtype))
@@ -215,13 +239,13 @@ class AdapterLibrary:
         self,
         directory: str | None,
         pipeline_class: Any,
-        component: str,
+        components: Sequence[str],
         budget_bytes: int,
         dtype: torch.dtype | None = None,
         device: Any = None,
     ):
         self.directory = Path(directory) if directory else None
-        self.pipeline_class, self.component, self.budget_bytes = pipeline_class, component, budget_bytes
+        self.pipeline_class, self.components, self.budget_bytes = pipeline_class, tuple(components), budget_bytes
         self.dtype, self.device = dtype, device  # the denoiser's: weights are cast once, on loading
         self._cache: OrderedDict[str, tuple[tuple[int, int], LoraAdapter]] = OrderedDict()
         self._lock = threading.Lock()  # admission (the replica's loop) and the engine thread both read
@@ -253,7 +277,7 @@ class AdapterLibrary:
                 self._cache.move_to_end(name)
                 return kept[1]
             try:
-                adapter = load_adapter(path, name, self.pipeline_class, self.component, self.dtype, self.device)
+                adapter = load_adapter(path, name, self.pipeline_class, self.components, self.dtype, self.device)
             except Exception as err:
                 logger.exception("LoRA adapter %r at %s cannot be loaded", name, path)
                 raise LoraLoadError(f"LoRA adapter {name!r} cannot be loaded; the server's log names the file") from err

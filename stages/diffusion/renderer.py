@@ -20,10 +20,10 @@ from typing import Any, cast
 from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.provenance import ImageOrigin, ImageRecord, png_info
-from contracts.sampling import DiffusionSamplingParams, batch_parts
+from contracts.sampling import DiffusionSamplingParams, LoraChoice, batch_parts
 from contracts.seeds import seed_or_picked
 from stages.diffusion.engine import family_for
-from stages.diffusion.engine.families import vae_slicing
+from stages.diffusion.engine.families import Family, vae_slicing
 from stages.diffusion.engine.sample import seeded_generator
 from stages.diffusion.lora import AdapterLibrary
 from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_adapters
@@ -187,6 +187,21 @@ def model_defaults(pipe, model: str, size_multiple: int, config: DiffusionStageC
     return {**defaults, **config.defaults.model_dump(exclude_none=True)}
 
 
+def adapter_library(config: DiffusionStageConfig, model: str, pipe, family: Family | None) -> AdapterLibrary:
+    """The replica's LoRA adapters: its `lora_dir`, else the embedded model's own; read for the family's denoiser and
+    the pipeline's text encoders, in the denoiser's dtype. A pipeline without a family never loads one (requests
+    naming one are refused): names only."""
+    denoiser = family.denoiser_name if family else "unet"
+    return AdapterLibrary(
+        config.lora_dir if config.lora_dir is not None else embedded_adapters(model),
+        type(pipe),
+        (denoiser, *(n for n in Family.TEXT_ENCODERS if getattr(pipe, n, None) is not None)),
+        config.lora_cache_mib << 20,
+        dtype=family.dtype if family else None,
+        device=pipe.device,
+    )
+
+
 class DiffusionRenderer:
     """A loaded pipeline plus the rules for filling and rendering requests. No Ray, no HTTP.
 
@@ -231,15 +246,7 @@ class DiffusionRenderer:
             packing if packing > 1 else getattr(patch, "patch_size", 1) or 1
         )
         self.defaults = model_defaults(self.pipe, self.model, self.size_multiple, config)
-        component = self.family.denoiser_name if self.family else "unet"
-        self.loras = AdapterLibrary(
-            config.lora_dir if config.lora_dir is not None else embedded_adapters(self.model),
-            type(self.pipe),
-            component,
-            config.lora_cache_mib << 20,
-            dtype=getattr(self.pipe, component).dtype,
-            device=self.pipe.device,
-        )
+        self.loras = adapter_library(config, self.model, self.pipe, self.family)
         if self.family is not None:
             self.family.library = self.loras
         call = inspect.signature(self.pipe.__call__).parameters
@@ -260,14 +267,7 @@ class DiffusionRenderer:
         self.config.check_limits(resolved)
         check_renderable(self, resolved)
         if resolved.lora:
-            if not (step_engine and self.family):
-                raise InvalidRequestError(
-                    f"LoRA adapters are applied per row by the step engine; this replica renders {self.model} by "
-                    "whole-request batches",
-                    param="lora",
-                    code="unsupported_value",
-                )
-            resolved = resolved.model_copy(update={"lora": self.loras.resolve(resolved.lora)})
+            resolved = resolved.model_copy(update={"lora": self._adapters(resolved.lora, step_engine)})
         if resolved.scheduler is not None:
             served = sorted(self.family.SCHEDULERS) if step_engine and self.family else []
             if resolved.scheduler not in served:
@@ -276,6 +276,20 @@ class DiffusionRenderer:
                     param="scheduler",
                     code="unsupported_value",
                 )
+        return resolved
+
+    def _adapters(self, choices: list[LoraChoice], step_engine: bool) -> list[LoraChoice]:
+        """A request's adapters with their sha256 filled in; refused where this replica cannot apply them per row."""
+        if not (step_engine and self.family):
+            raise InvalidRequestError(
+                f"LoRA adapters are applied per row by the step engine; this replica renders {self.model} by "
+                "whole-request batches",
+                param="lora",
+                code="unsupported_value",
+            )
+        resolved = self.loras.resolve(choices)
+        for choice in resolved:
+            self.family.check_adapter(self.loras.get(choice.name))
         return resolved
 
     def request_group(self, job: Job) -> tuple[int, ...]:

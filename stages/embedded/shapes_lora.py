@@ -168,8 +168,8 @@ def pair_rate(weights: Path, scale: float, seeds: range = range(10)) -> float:
 
     pipe = load_tiny_pipeline("shapes")
     pipe.set_progress_bar_config(disable=True)
-    lora = RowLora(pipe.unet)
-    adapter = load_adapter(weights, "adapter", type(pipe), "unet")
+    lora = RowLora(pipe.unet, "unet")
+    adapter = load_adapter(weights, "adapter", type(pipe), ("unet",))
     lora.attach(adapter)
     rng = random.Random(0)
     pairs = [(scene, seed) for scene in held_out_pairs() for seed in seeds]

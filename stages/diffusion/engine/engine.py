@@ -118,7 +118,7 @@ class StepEngine:
         if not joining:
             return
         try:
-            self.family.encode(joining)
+            self.family.condition(joining)  # their adapters, then `encode`
             for sample in joining:
                 self.family.prepare(sample)
         except Exception as exc:

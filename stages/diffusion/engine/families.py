@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, cast
 
 import torch
@@ -44,7 +44,9 @@ from diffusers import (
 )
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..lora import AdapterLibrary, RowLora
+from contracts.errors import InvalidRequestError
+
+from ..lora import AdapterLibrary, LoraAdapter, RowLora
 from .img2img import prepare_edit
 from .packing import PackedFluxAttnProcessor, PackedQwenAttnProcessor, PackedRows, PackedStreams, padded
 from .sample import Sample, seeded_generator
@@ -118,6 +120,10 @@ class Family:
     #: the masked attention's bits then follow the batch's longest prompt, so whole-request batches must hold prompts of
     #: one token count (`token_counts`; the step engine encodes them so anyway).
     pads_prompts = False
+    #: Whether every text encoder call of `encode` takes every joining sample's prompt (or negative prompt), in order:
+    #: then text-encoder layers of an adapter apply per row there too; else a request naming one is refused.
+    encodes_in_order = False
+    TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     def token_counts(self, prompts: list[str]) -> list[int]:
         """Each prompt's token count as the pipeline encodes it (only families that pad prompts need it)."""
@@ -127,14 +133,43 @@ class Family:
         self.pipe = pipe
         self.denoiser = getattr(pipe, self.denoiser_name)
         self.device = pipe.device
-        # LoRA adapters per row (stages.diffusion.lora): the hooks, and where a sample's adapters come from (the
-        # renderer sets it when the replica has an adapters directory).
-        self.lora = RowLora(self.denoiser)
+        # LoRA adapters per row (stages.diffusion.lora): the hooks on the denoiser and, where the family encodes in
+        # order, on the text encoders; and where a sample's adapters come from (the renderer sets it).
+        self.lora = RowLora(self.denoiser, self.denoiser_name)
+        names = self.TEXT_ENCODERS if self.encodes_in_order else ()
+        self.text_loras = [RowLora(getattr(pipe, n), n) for n in names if getattr(pipe, n, None) is not None]
         self.library: AdapterLibrary | None = None
 
     def rows(self, sample: Sample) -> int:
         """The sample's rows in a denoiser call: two with classifier-free guidance, else one."""
         return 2 if sample.cfg else 1
+
+    def condition(self, samples: list[Sample]) -> None:
+        """Joining samples' adapters, hooked where not yet (on the engine thread: never while a call runs), then
+        `encode`, each text encoder's rows with their sample's adapters."""
+        for sample in samples:
+            if sample.params.lora:
+                assert self.library is not None  # admission refuses adapters where there is none
+                sample.adapters = self.library.row_adapters(sample.params.lora)
+                for adapter, _ in sample.adapters:
+                    for lora in (self.lora, *self.text_loras):
+                        lora.attach(adapter)
+        with ExitStack() as adapted:
+            for lora in self.text_loras:
+                adapted.enter_context(lora.rows([s.adapters for s in samples]))
+            self.encode(samples)
+
+    def check_adapter(self, adapter: LoraAdapter) -> None:
+        """Refuse (400) an adapter of components this family does not adapt per row: text encoders, where it does not
+        encode in order. Applying the rest alone would render another image than the adapter's authors meant."""
+        unadapted = adapter.components - {self.denoiser_name, *(lora.component for lora in self.text_loras)}
+        if unadapted:
+            raise InvalidRequestError(
+                f"LoRA adapter {adapter.name!r} adapts {sorted(unadapted)}, which this model's step engine does not "
+                "adapt per request (the denoiser's layers only; the text encoders' too for UNet pipelines)",
+                param="lora",
+                code="unsupported_value",
+            )
 
     def forward(self, samples: list[Sample]) -> list[torch.Tensor]:
         """`denoise`, each row with its sample's LoRA adapters (none: the base model's rows, untouched)."""
@@ -156,11 +191,6 @@ class Family:
         sample.step_kwargs = frozenset(inspect.signature(sample.scheduler.step).parameters)
         sample.timesteps = self.timesteps(sample)
         sample.generator = seeded_generator(params)
-        if params.lora:  # on the engine thread: hooks are never added while a call runs
-            assert self.library is not None  # admission refuses adapters where there is none
-            sample.adapters = self.library.row_adapters(params.lora)
-            for adapter, _ in sample.adapters:
-                self.lora.attach(adapter)
         if sample.image is not None:
             prepare_edit(self, sample)  # its schedule starts at its strength, its latents at its noised image
             return
@@ -208,6 +238,7 @@ class Family:
 
 class UNetFamily(Family):
     denoiser_name = "unet"
+    encodes_in_order = True  # `encode_prompt` over every sample's prompts, then their negative prompts
     edit_pipeline: type[Any] = StableDiffusionImg2ImgPipeline
     SCHEDULERS = {
         "euler": EulerDiscreteScheduler,
