@@ -93,7 +93,8 @@ def merged(renderer, engine, load, seeds: Sequence[int], steps: int, size: int) 
         if name is not None:
             adapter = renderer.loras.get(name)
             with torch.no_grad():
-                for path, layer in adapter.layers.items():
+                for key, layer in adapter.layers.items():  # "unet.<module path>": the UNet's layers only
+                    path = key.removeprefix("unet.")
                     weight = unet.get_submodule(path).weight
                     saved[path] = weight.detach().clone()
                     weight += layer.scale * (layer.up @ layer.down)

@@ -93,6 +93,13 @@ class LLMStageConfig(StageConfig):
     system_prompt: str | None = None  # None: the stage's own rewriting instruction
     # Further vllm AsyncEngineArgs (e.g. tensor_parallel_size); the stage refuses ones that break invariance.
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    # LoRA adapters a request's `lora` may name (chat completions; `enhance.lora` for the rewrite): PEFT directories
+    # `<name>/adapter_config.json` + `adapter_model.safetensors` here, loaded into vLLM at start-up (one it refuses is
+    # logged and left out); `max_loras` of them in one engine step, ranks up to `max_lora_rank` (vLLM's sizes: 1, 8,
+    # 16, 32, 64, ...). None: no adapters (and vLLM's LoRA path off).
+    lora_dir: str | None = None
+    max_loras: Annotated[int, Field(ge=1)] = 4
+    max_lora_rank: Annotated[int, Field(ge=1)] = 16
     # Sampling of the prompt rewrite; its seed is always the image's own seed s_i.
     enhance: dict[str, Any] = Field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 48})
 

@@ -42,6 +42,8 @@ from .sampling import (
     DiffusionSamplingParams,
     LLMSamplingParams,
     Logprobs,
+    LoraChoice,
+    LoraName,
     MaxTokens,
     Messages,
     MinP,
@@ -301,6 +303,8 @@ class ChatCompletionRequest(_Request):
     min_p: MinP | None = None
     min_tokens: MinTokens | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    # Extension: a LoRA adapter of the LLM stage (its `lora_dir`); unknown: 404.
+    lora: LoraName | None = None
 
     _top_logprobs_need_logprobs = _needs("top_logprobs", "logprobs")
 
@@ -320,6 +324,7 @@ class ChatCompletionRequest(_Request):
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
+                lora=self.lora,
             )
         )
 
@@ -443,6 +448,7 @@ class ChatCompletionResponse(BaseModel):
     seed: int | None
     token_ids: list[int]
     invariance: dict[str, StageInvariance]
+    lora: LoraChoice | None = None  # the LoRA adapter it ran with, and its weights' sha256
 
 
 class ModelCard(BaseModel):

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .sampling import DiffusionSamplingParams, LLMSamplingParams, image_fields, required_model
+from .sampling import DiffusionSamplingParams, LLMSamplingParams, LoraChoice, image_fields, required_model
 
 #: One position's top logprobs: (token id, logprob), best first.
 TopLogprobs = list[tuple[int, float]]
@@ -78,6 +78,7 @@ class Completion(Provenance):
     finish_reason: str | None
     usage: Usage
     seed: int | None
+    lora: LoraChoice | None = None  # the LoRA adapter it ran with (name and weights' sha256), None: the base model
 
 
 class RenderedImage(

@@ -306,6 +306,8 @@ class LLMSamplingParams(Contract):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
+    # A LoRA adapter of the LLM stage's `lora_dir` (an extension; stages.llm.lora); None: the base model.
+    lora: LoraName | None = None
 
     @model_validator(mode="after")
     def _min_tokens_fit(self) -> Self:
@@ -317,7 +319,7 @@ class LLMSamplingParams(Contract):
         """Build `vllm.SamplingParams` (import deferred: only stage actors have vLLM)."""
         from vllm import SamplingParams
 
-        fields = self.model_dump()
+        fields = self.model_dump(exclude={"lora"})  # vLLM takes the adapter beside the params (a LoRARequest)
         fields["top_k"] = fields["top_k"] or 0  # vLLM: 0 disables top-k
         fields["stop"] = fields["stop"] or None
         return SamplingParams(**fields, **extra)

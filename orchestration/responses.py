@@ -145,6 +145,7 @@ def chat_response(
         system_fingerprint=f"omniserve-llm-bi{int(batch_invariant)}",
         seed=seed,
         token_ids=result.token_ids,
+        lora=result.lora,
         invariance={
             "llm": StageInvariance(
                 batch_invariant=batch_invariant, kernel_backend=result.kernel_backend, **scope([result])

@@ -63,12 +63,50 @@ def register() -> None:
     if not current_platform.is_cpu():
         return  # CUDA engines use vLLM's own VLLM_BATCH_INVARIANT mode (see stages.llm.settings)
     hold_vllm_to_path()
+    mask_unadapted_lora_tokens()
     if not switched_on():
         return
     # The attention metadata builder reads this on every step; a value given explicitly
     # (the audit's split-kv ablation) is kept.
     envs.set_default("VLLM_CPU_ATTN_SPLIT_KV", "0")
     _patch_gemm_dispatch()
+
+
+#: The ops of vLLM's CPU LoRA path (`vllm.lora.ops.torch_ops.lora_ops`) that pick each token's adapter weights by
+#: slot index; `sgmv_*`, the prefill path the CPU runner always takes, calls these.
+_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+
+
+def mask_unadapted_lora_tokens() -> None:
+    """Give tokens without an adapter no update. vLLM 0.32's CPU ops index the adapters' weights with each token's
+    slot, and a token without an adapter has slot -1, which Python reads as the last slot: in a batch that mixes
+    requests with and without adapters, one without was computed with the last slot's adapter (measured: its tokens
+    and logprobs were exactly those of the same prompt with that adapter). Here those tokens' weights are zeros, so
+    their update is exactly 0; an adapted token's weights are its own, times 1 (exact). Switch on or off."""
+    import sys
+
+    import torch
+    import vllm.lora.ops.torch_ops.lora_ops as ops
+
+    if getattr(ops, "_omniserve_masked", False):
+        return
+
+    def masked(op):
+        def with_no_adapter_zeroed(inputs, weights, output, indices, *rest, **kwargs):
+            chosen = weights[indices.clamp_min(0)]  # one weight per token, as the op itself would choose
+            keep = (indices >= 0).to(chosen.dtype).view(-1, *([1] * (chosen.dim() - 1)))
+            return op(
+                inputs, chosen * keep, output, torch.arange(indices.numel(), device=indices.device), *rest, **kwargs
+            )
+
+        return with_no_adapter_zeroed
+
+    for name in _LORA_OPS:
+        setattr(ops, name, masked(getattr(ops, name)))
+    ops._omniserve_masked = True
+    bound = sys.modules.get("vllm.lora.punica_wrapper.punica_cpu")  # binds the names at its import
+    for name in _LORA_OPS if bound is not None else ():
+        setattr(bound, name, getattr(ops, name))
 
 
 #: torch's CPU-feature probes vLLM reads to choose its kernel library and attention ISA, and the paths on which

@@ -17,6 +17,7 @@ from contracts.config import LLMStageConfig
 from contracts.invariance import resolve_batch_invariant
 from contracts.results import Generation, StageDescription
 
+from .lora import ServedAdapters, adapters_in, load_into
 from .settings import engine_settings, resolve_model
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class LLMEngine:
         self._engine: AsyncLLM | None = None
         self._tokenizer: TokenizerLike | None = None
         self.worker_reports: list[dict] = []
+        self.adapters = ServedAdapters()  # the LoRA adapters it serves, once started (stages.llm.lora)
         self.startup_s: float | None = None
         self.scope: ReplicaScope | None = (
             None  # the stage's ReplicaScope (stages.scope), set once started; the audit's engines have none
@@ -120,6 +122,7 @@ class LLMEngine:
             self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.args))
         self._tokenizer = self._engine.get_tokenizer()
         self.worker_reports = list(await self._engine.collective_rpc("omniserve_invariance_report"))
+        self.adapters = await load_into(self._engine, adapters_in(self.config.lora_dir))
         self.startup_s = round(time.monotonic() - started, 1)
         if self.batch_invariant:
             self._check_workers_installed_kernels()
@@ -206,12 +209,14 @@ class LLMEngine:
 
     # -- generation --
 
-    async def generate(self, prompt_ids: list[int], sampling) -> Generation:
-        """One request (prompt token ids, vLLM SamplingParams) to its end."""
+    async def generate(self, prompt_ids: list[int], sampling, lora: str | None = None) -> Generation:
+        """One request (prompt token ids, vLLM SamplingParams, an adapter's name or None) to its end."""
         from vllm.inputs import TokensPrompt
 
         final = None
         request_id = uuid.uuid4().hex
-        async for output in self.async_llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id):
+        adapter = self.adapters.get(lora).request() if lora else None
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        async for output in self.async_llm.generate(prompt, sampling, request_id, lora_request=adapter):
             final = output
         return to_generation(final)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from contracts.admission import admit_llm_params, admit_messages, admit_prompt
 from contracts.errors import InvalidRequestError
 from contracts.results import Completion, RevisedPrompt, Usage
-from contracts.sampling import LLMSamplingParams
+from contracts.sampling import LLMSamplingParams, LoraChoice
 
 from .engine import LLMEngine
 
@@ -145,9 +145,9 @@ class LLMRequests:
         with refused_by_vllm(field, kinds=(ValueError, TypeError)):
             return LLMSamplingParams.from_params(params, logprobs=logprobs).to_vllm(**extra)
 
-    async def generate(self, prompt_ids: list[int], sampling, *, field: str):
+    async def generate(self, prompt_ids: list[int], sampling, *, field: str, lora: str | None = None):
         with refused_by_vllm(field):  # its request validation; a failure while generating stays the server's
-            return await self.engine.generate(prompt_ids, sampling)
+            return await self.engine.generate(prompt_ids, sampling, lora)
 
     def enhancement(self, prompt: str, params: LLMSamplingParams) -> tuple[list[int], LLMSamplingParams, Any]:
         """(prompt ids, the params it really runs with, vLLM SamplingParams) of one enhancement."""
@@ -166,7 +166,7 @@ class LLMRequests:
         prompt = admit_prompt(prompt)
         prompt_ids, run_params, sampling = self.enhancement(prompt, params)
         started = time.perf_counter()
-        result = await self.generate(prompt_ids, sampling, field="prompt")
+        result = await self.generate(prompt_ids, sampling, field="prompt", lora=run_params.lora)
         self.stats.add(len(prompt_ids), len(result.token_ids), time.perf_counter() - started)
         return RevisedPrompt(
             revised_prompt=self.policy.compose(prompt, result.text.strip()),
@@ -189,8 +189,9 @@ class LLMRequests:
         admitted = admit_messages(messages)
         # Role and content only: what the chat template has always been given.
         prompt_ids = self.encode_chat([{"role": m.role, "content": m.content} for m in admitted])
+        adapter = self.engine.adapters.get(params.lora) if params.lora else None  # unknown: 404 before any work
         result = await self.generate(
-            prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), field="messages"
+            prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), field="messages", lora=params.lora
         )
         completion_tokens = len(result.token_ids)
         return Completion(
@@ -205,6 +206,7 @@ class LLMRequests:
                 total_tokens=len(prompt_ids) + completion_tokens,
             ),
             seed=params.seed,
+            lora=LoraChoice(name=adapter.name, sha256=adapter.sha256) if adapter else None,
             **self.provenance(),
         )
 

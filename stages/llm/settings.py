@@ -64,10 +64,27 @@ def engine_settings(config: LLMStageConfig, model: ModelChoice) -> EngineSetting
         invariance["engine_args"] = {name: value for name, (value, _) in INVARIANT_CPU_ENGINE_ARGS.items()}
     environment.update(_switch_environment(config.device, config.batch_invariant))
     invariance["environment"] = dict(environment)
+    args.update(_lora_args(config))
     args.update(config.engine_args)
     if config.device == "cpu" and args.get("distributed_executor_backend") == "uni":
         environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see _base_args
     return EngineSettings(args, environment, invariance)
+
+
+def _lora_args(config: LLMStageConfig) -> dict[str, Any]:
+    """vLLM's LoRA path, where the config names an adapters directory: every adapter kept loaded on the CPU side (none
+    dropped and silently read again)."""
+    from .lora import adapters_in
+
+    if config.lora_dir is None:
+        return {}
+    count = len(adapters_in(config.lora_dir))
+    return {
+        "enable_lora": True,
+        "max_loras": config.max_loras,
+        "max_lora_rank": config.max_lora_rank,
+        "max_cpu_loras": max(config.max_loras, count),
+    }
 
 
 def _base_args(config: LLMStageConfig, model: ModelChoice) -> dict[str, Any]:

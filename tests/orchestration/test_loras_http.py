@@ -1,11 +1,13 @@
 """LoRA adapters over HTTP, through the official openai client's `extra_body`: a request with adapter A co-batched with
 requests using adapter B, A then B, and none gives the bytes of its solo render with the diffusion switch on; the
 control (switch off) differs, or is skipped saying so where stock kernels give solo bits here. `omniserve verify`
-reproduces an adapted image from its PNG alone, and an adapted file whose record lost its adapter fails.
+reproduces an adapted image from its PNG alone, and an adapted file whose record lost its adapter fails. A chat
+completion names an adapter of the LLM stage (tests/stages/test_llm_lora.py checks its bits).
 
 Two apps of their own beside the package's (tests/orchestration/conftest.py), each one diffusion replica with a
 four-sample step batch and an adapters directory: "twins" (the committed, trained adapter) and "glow" (random
-weights); "/lora" switch on, "/lora-off" off. The LLM stage is scaled to zero: these requests skip the rewrite.
+weights); "/lora" switch on, "/lora-off" off. The image requests skip the rewrite; "/lora"'s LLM stage has one replica
+serving a random PEFT adapter, "terse", the other app's is scaled to zero.
 """
 
 import asyncio
@@ -37,10 +39,13 @@ MIXED = [
 ]
 
 
-def app_config(invariant: bool, lora_dir: str) -> dict:
+def app_config(invariant: bool, lora_dir: str, llm_lora_dir: str | None = None) -> dict:
+    """An app of one diffusion replica with the adapters of `lora_dir`; its LLM scaled to zero, or with
+    `llm_lora_dir` one LLM replica serving those adapters."""
+    llm = ({"num_replicas": 1, "lora_dir": llm_lora_dir, "torch_threads": 1} if llm_lora_dir else
+           {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}})
     return {
-        "llm": {"batch_invariant": invariant, "ray_actor_options": {"num_cpus": 0.1},
-                "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}},
+        "llm": {"batch_invariant": invariant, "ray_actor_options": {"num_cpus": 0.1}, **llm},
         "diffusion": {"batch_invariant": invariant, "ray_actor_options": {"num_cpus": 0.2}, "max_batch_size": 4,
                       "lora_dir": lora_dir, "defaults": {"num_inference_steps": STEPS}},
         "ingress": {"ray_actor_options": {"num_cpus": 0.02}},
@@ -53,6 +58,8 @@ def lora_server(server, tmp_path_factory):
 
     from orchestration import build_app
     from stages.embedded.diffusion import load_tiny_pipeline
+    from stages.embedded.llm import ensure_tiny_llama
+    from tests.stages.test_llm_lora import peft_adapter
 
     directory = tmp_path_factory.mktemp("loras")
     shutil.copytree(ADAPTERS_PATH / "twins", directory / "twins")
@@ -62,8 +69,10 @@ def lora_server(server, tmp_path_factory):
             glow[f"unet.{path}.lora_A.weight"] = torch.randn(4, module.in_features, generator=gen) * 0.3
             glow[f"unet.{path}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=gen) * 0.3
     save_file(glow, str(directory / "glow.safetensors"))
+    llm_directory = tmp_path_factory.mktemp("llm-loras")
+    peft_adapter(ensure_tiny_llama(), llm_directory / "terse", 1)
     started = time.monotonic()
-    serve.run(build_app(app_config(True, str(directory))), name="lora", route_prefix="/lora")
+    serve.run(build_app(app_config(True, str(directory), str(llm_directory))), name="lora", route_prefix="/lora")
     serve.run(build_app(app_config(False, str(directory))), name="lora-off", route_prefix="/lora-off")
     print(f"adapter apps running after {time.monotonic() - started:.1f} s")
     try:
@@ -144,3 +153,23 @@ def test_an_unknown_adapter_is_a_404_naming_it_and_a_bad_scale_or_too_many_a_400
             assert response.status_code == status, response.text
             error = response.json()["error"]
             assert error["param"].startswith("lora") and says in error["message"], error
+
+
+def test_a_chat_completion_with_an_llm_adapter_differs_names_it_and_an_unknown_one_is_a_404(lora_server):
+    """The LLM stage's adapters over HTTP, through the openai client's `extra_body`."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{lora_server}/lora/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
+    messages = [{"role": "user", "content": "a cat, watercolor"}]
+
+    def chat(**extra):
+        return client.chat.completions.create(model="embedded:tiny-llama", messages=messages, max_tokens=12,
+                                              temperature=0.0, extra_body=extra)
+
+    plain, adapted = chat(), chat(lora="terse")
+    assert plain.model_extra["token_ids"] != adapted.model_extra["token_ids"]
+    assert plain.model_extra["lora"] is None and adapted.model_extra["lora"]["name"] == "terse"
+    assert adapted.model_extra["token_ids"] == chat(lora="terse").model_extra["token_ids"]
+    with pytest.raises(openai.NotFoundError) as refused:
+        chat(lora="nowhere")
+    body = refused.value.body if isinstance(refused.value.body, dict) else {}
+    assert body.get("error", body)["param"] == "lora" and "nowhere" in str(refused.value)

@@ -166,6 +166,17 @@ def test_llm_switch_on_cuda_uses_vllms_own_mode():
     assert settings(False, device="cuda").environment["VLLM_BATCH_INVARIANT"] == "0"
 
 
+def test_llm_lora_dir_turns_vllms_lora_path_on_keeping_every_adapter_loaded(tmp_path):
+    assert "enable_lora" not in settings(True).args
+    for name in ("a", "b", "c", "d", "e"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+        (tmp_path / name / "adapter_model.safetensors").write_bytes(b"")
+    config = LLMStageConfig(batch_invariant=True, lora_dir=str(tmp_path), max_loras=2, max_lora_rank=8)
+    args = engine_settings(config, CHOICE).args
+    assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"], args["max_cpu_loras"]) == (True, 2, 8, 5)
+
+
 def test_llm_override_that_breaks_invariance_is_refused():
     name, (value, _why) = next(iter(INVARIANT_CPU_ENGINE_ARGS.items()))
     with pytest.raises(ValueError, match=name):
