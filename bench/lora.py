@@ -135,7 +135,7 @@ def run(samples: int, steps: int, size: int, repeats: int, max_batch_size: int, 
                 for way in order
                 for seconds in [_seconds(way, renderer, engine, load, seeds, steps, size)]
             ]
-            adapter_bytes = {name: _bytes(renderer.loras.get(name)) for name in ADAPTERS}
+            adapter_bytes = {name: renderer.loras.get(name).nbytes for name in ADAPTERS}
             adapter_layers = len(renderer.loras.get("twins").layers)
         finally:
             engine.stop()
@@ -173,10 +173,6 @@ def _seconds(way: str, renderer, engine, load, seeds: Sequence[int], steps: int,
 
 def _rate(runs: list[dict], repeat: int, way: str) -> float:
     return float(next(r["images_per_s"] for r in runs if r["repeat"] == repeat and r["way"] == way))
-
-
-def _bytes(adapter) -> int:
-    return sum(t.numel() * t.element_size() for layer in adapter.layers.values() for t in (layer.down, layer.up))
 
 
 def markdown(report: dict) -> str:

@@ -68,6 +68,11 @@ class LoraAdapter:
     layers: Mapping[str, LoraLayer]  # "<component>.<module path>" -> its update
 
     @property
+    def nbytes(self) -> int:
+        """What its weights take, in their dtype (what the library's budget counts)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.down, layer.up))
+
+    @property
     def components(self) -> frozenset[str]:
         """The pipeline components it adapts ("unet", "text_encoder", ...)."""
         return frozenset(key.split(".", 1)[0] for key in self.layers)
@@ -282,7 +287,7 @@ class AdapterLibrary:
                 logger.exception("LoRA adapter %r at %s cannot be loaded", name, path)
                 raise LoraLoadError(f"LoRA adapter {name!r} cannot be loaded; the server's log names the file") from err
             self._cache[name] = (stamp, adapter)
-            while len(self._cache) > 1 and sum(_size(a) for _, a in self._cache.values()) > self.budget_bytes:
+            while len(self._cache) > 1 and sum(a.nbytes for _, a in self._cache.values()) > self.budget_bytes:
                 self._cache.popitem(last=False)
             return adapter
 
@@ -305,8 +310,4 @@ class AdapterLibrary:
 
     def cached_bytes(self) -> int:
         with self._lock:
-            return sum(_size(a) for _, a in self._cache.values())
-
-
-def _size(adapter: LoraAdapter) -> int:
-    return sum(t.numel() * t.element_size() for layer in adapter.layers.values() for t in (layer.down, layer.up))
+            return sum(a.nbytes for _, a in self._cache.values())

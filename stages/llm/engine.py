@@ -17,7 +17,7 @@ from contracts.config import LLMStageConfig
 from contracts.invariance import resolve_batch_invariant
 from contracts.results import Generation, StageDescription
 
-from .lora import ServedAdapters, adapters_in, load_into
+from .lora import LlmAdapter, ServedAdapters, adapters_in, load_into
 from .settings import engine_settings, resolve_model
 
 if TYPE_CHECKING:
@@ -209,14 +209,14 @@ class LLMEngine:
 
     # -- generation --
 
-    async def generate(self, prompt_ids: list[int], sampling, lora: str | None = None) -> Generation:
-        """One request (prompt token ids, vLLM SamplingParams, an adapter's name or None) to its end."""
+    async def generate(self, prompt_ids: list[int], sampling, adapter: LlmAdapter | None = None) -> Generation:
+        """One request (prompt token ids, vLLM SamplingParams, its LoRA adapter or None) to its end."""
         from vllm.inputs import TokensPrompt
 
         final = None
         request_id = uuid.uuid4().hex
-        adapter = self.adapters.get(lora).request() if lora else None
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
-        async for output in self.async_llm.generate(prompt, sampling, request_id, lora_request=adapter):
+        lora = adapter.request() if adapter else None
+        async for output in self.async_llm.generate(prompt, sampling, request_id, lora_request=lora):
             final = output
         return to_generation(final)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contracts.errors import ModelNotFoundError
+from contracts.sampling import LLMSamplingParams
 
 logger = logging.getLogger("ray.serve")
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -42,15 +43,19 @@ class LlmAdapter:
         return LoRARequest(self.name, self.id, self.path)
 
 
-def adapters_in(directory: str | None) -> list[LlmAdapter]:
-    """The PEFT adapters of `directory`, by name; none when it is None or missing."""
+def adapter_dirs(directory: str | None) -> list[Path]:
+    """The PEFT adapter directories of `directory`, by name; none when it is None or missing."""
     root = Path(directory) if directory else None
     if root is None or not root.is_dir():
         return []
-    found = sorted(p.parent for p in root.glob(f"*/{WEIGHTS}") if (p.parent / CONFIG).is_file())
+    return sorted(p.parent for p in root.glob(f"*/{WEIGHTS}") if (p.parent / CONFIG).is_file())
+
+
+def adapters_in(directory: str | None) -> list[LlmAdapter]:
+    """The adapters of `directory`, each with its weights' sha256 (read once, when the engine loads them)."""
     return [
         LlmAdapter(path.name, i, str(path), hashlib.sha256((path / WEIGHTS).read_bytes()).hexdigest())
-        for i, path in enumerate(found, start=1)
+        for i, path in enumerate(adapter_dirs(directory), start=1)
     ]
 
 
@@ -62,6 +67,10 @@ class ServedAdapters:
 
     def names(self) -> list[str]:
         return sorted(self._by_name)
+
+    def of(self, params: LLMSamplingParams) -> LlmAdapter | None:
+        """The adapter a request's params name (`lora`), None for the base model; 404 when not served."""
+        return self.get(params.lora) if params.lora else None
 
     def get(self, name: str) -> LlmAdapter:
         """The adapter `name`; 404 naming it when there is none."""

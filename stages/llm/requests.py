@@ -22,6 +22,7 @@ from contracts.results import Completion, RevisedPrompt, Usage
 from contracts.sampling import LLMSamplingParams, LoraChoice
 
 from .engine import LLMEngine
+from .lora import LlmAdapter
 
 DEFAULT_SYSTEM_PROMPT = (
     "You rewrite image prompts. Keep the user's subject, add a visual style and lighting, "
@@ -145,9 +146,9 @@ class LLMRequests:
         with refused_by_vllm(field, kinds=(ValueError, TypeError)):
             return LLMSamplingParams.from_params(params, logprobs=logprobs).to_vllm(**extra)
 
-    async def generate(self, prompt_ids: list[int], sampling, *, field: str, lora: str | None = None):
+    async def generate(self, prompt_ids: list[int], sampling, *, field: str, adapter: LlmAdapter | None = None):
         with refused_by_vllm(field):  # its request validation; a failure while generating stays the server's
-            return await self.engine.generate(prompt_ids, sampling, lora)
+            return await self.engine.generate(prompt_ids, sampling, adapter)
 
     def enhancement(self, prompt: str, params: LLMSamplingParams) -> tuple[list[int], LLMSamplingParams, Any]:
         """(prompt ids, the params it really runs with, vLLM SamplingParams) of one enhancement."""
@@ -166,7 +167,8 @@ class LLMRequests:
         prompt = admit_prompt(prompt)
         prompt_ids, run_params, sampling = self.enhancement(prompt, params)
         started = time.perf_counter()
-        result = await self.generate(prompt_ids, sampling, field="prompt", lora=run_params.lora)
+        adapter = self.engine.adapters.of(run_params)  # unknown: 404 before any work
+        result = await self.generate(prompt_ids, sampling, field="prompt", adapter=adapter)
         self.stats.add(len(prompt_ids), len(result.token_ids), time.perf_counter() - started)
         return RevisedPrompt(
             revised_prompt=self.policy.compose(prompt, result.text.strip()),
@@ -189,9 +191,9 @@ class LLMRequests:
         admitted = admit_messages(messages)
         # Role and content only: what the chat template has always been given.
         prompt_ids = self.encode_chat([{"role": m.role, "content": m.content} for m in admitted])
-        adapter = self.engine.adapters.get(params.lora) if params.lora else None  # unknown: 404 before any work
+        adapter = self.engine.adapters.of(params)  # unknown: 404 before any work
         result = await self.generate(
-            prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), field="messages", lora=params.lora
+            prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), field="messages", adapter=adapter
         )
         completion_tokens = len(result.token_ids)
         return Completion(

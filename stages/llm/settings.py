@@ -74,11 +74,11 @@ def engine_settings(config: LLMStageConfig, model: ModelChoice) -> EngineSetting
 def _lora_args(config: LLMStageConfig) -> dict[str, Any]:
     """vLLM's LoRA path, where the config names an adapters directory: every adapter kept loaded on the CPU side (none
     dropped and silently read again)."""
-    from .lora import adapters_in
+    from .lora import adapter_dirs
 
     if config.lora_dir is None:
         return {}
-    count = len(adapters_in(config.lora_dir))
+    count = len(adapter_dirs(config.lora_dir))
     return {
         "enable_lora": True,
         "max_loras": config.max_loras,
