@@ -2,7 +2,8 @@
 
 - CPU: the project's own ops (`blocked.cpp`, `native.CPU_OPS`): a fixed-order GEMM whose bits do not
   depend on the CPU path (AVX-512, AVX2 + FMA or generic C++: `native.cpu_isa()`, OMNISERVE_CPU_ISA),
-  oneDNN in one layout for convolution, group_norm in an order of our own,
+  oneDNN in one layout for convolution, group_norm in an order of our own, transcendental pointwise ops (SiLU, GELU,
+  exp, ...) by the stock vector code on every element (ATen rounds a loop's odd elements otherwise),
   registered as aten kernels on the CPU dispatch key (`torch::Library`, see native.py).
 - CUDA: vLLM's `init_batch_invariance()` (with `VLLM_BATCH_INVARIANT=1`), plus the
   project's cover for what vLLM leaves out (`CUDA_COVER_OPS`: convolution, group_norm).
@@ -65,7 +66,7 @@ def _enable_cpu() -> KernelReport:
         "cpu",
         ops,
         f"the project's CPU kernels, {native.loaded_isa()} path (a fixed-order "
-        "packed GEMM, oneDNN convolution in one layout, our group_norm)",
+        "packed GEMM, oneDNN convolution in one layout, our group_norm, transcendental pointwise ops by one code)",
     )
 
 

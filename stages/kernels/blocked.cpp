@@ -32,6 +32,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <omp.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -1002,6 +1003,100 @@ Tensor blocked_upsample_nearest2d(const Tensor& self, IntArrayRef output_size, s
   return out;
 }
 
+// --- pointwise transcendental ops: every element by the vector code -----------------------
+//
+// ATen computes an elementwise op's body with its vector code and the last (numel mod twice the vector width)
+// elements with its scalar code (ATen/native/cpu/Loops.h, vectorized_loop); for exp, tanh, sin, erf... the two round
+// differently (Sleef against libm), and with several threads the split points move as well. So where an element
+// falls in the flattened tensor, which the batch size decides, chose its bits (measured: SiLU in the Qwen2.5-VL text
+// encoder, the last of three co-batched prompts, avx512 path). Here the stock kernel runs on blocks of
+// kPointwiseBlock elements (a multiple of every vector width, under ATen's grain so one thread runs each; the last
+// block zero padded), so every element takes the vector code wherever it sits.
+constexpr int64_t kPointwiseBlock = 16384;
+
+bool pointwise_dtype(const Tensor& x) {
+  return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+}
+
+// `op(out, in)` (a stock out= overload) over `src` into `dst`, both dense with the same strides: in memory order.
+template <typename Op>
+void by_blocks(const Tensor& src, const Tensor& dst, const Op& op) {
+  const int64_t n = src.numel(), full = n / kPointwiseBlock, rest = n - full * kPointwiseBlock;
+  Tensor a = src.as_strided({n}, {1}), b = dst.as_strided({n}, {1});
+  // The caller's dispatch state in every worker (its InferenceMode above all: an inference tensor written from a
+  // worker outside it is refused, measured in vLLM's CPU worker).
+  const at::ThreadLocalState caller;
+  at::parallel_for(0, full, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard same(caller);
+    for (int64_t i = begin; i < end; ++i) {
+      Tensor out = b.narrow(0, i * kPointwiseBlock, kPointwiseBlock);
+      op(out, a.narrow(0, i * kPointwiseBlock, kPointwiseBlock));
+    }
+  });
+  if (rest) {
+    Tensor padded = at::zeros({kPointwiseBlock}, src.options()), out = at::empty({kPointwiseBlock}, src.options());
+    padded.narrow(0, 0, rest).copy_(a.narrow(0, full * kPointwiseBlock, rest));
+    op(out, padded);
+    b.narrow(0, full * kPointwiseBlock, rest).copy_(out.narrow(0, 0, rest));
+  }
+}
+
+template <typename Op>
+Tensor pointwise(const Tensor& x, const Op& op) {
+  if (!pointwise_dtype(x) || x.numel() == 0) {
+    // Stock kernel, whole; integers give the default float dtype as the stock functional does.
+    const bool floating = x.is_floating_point() || x.is_complex();
+    Tensor out = at::empty({0}, x.options().dtype(floating ? x.scalar_type() : at::get_default_dtype_as_scalartype()));
+    return op(out, x);
+  }
+  const Tensor src = x.is_non_overlapping_and_dense() ? x : x.contiguous();
+  Tensor out = at::empty_like(src);  // a dense input's strides kept (channels-last stays channels-last)
+  by_blocks(src, out, op);
+  return out;
+}
+
+template <typename Op>
+Tensor& pointwise_(Tensor& x, const Op& op) {
+  if (!pointwise_dtype(x) || x.numel() == 0) return op(x, x), x;
+  if (x.is_non_overlapping_and_dense()) {
+    by_blocks(x, x, op);
+  } else {
+    x.copy_(pointwise(x, op));
+  }
+  return x;
+}
+
+// The stock out= kernels (never overridden here).
+auto silu_into = [](Tensor& out, const Tensor& x) -> Tensor& { return at::silu_out(out, x); };
+auto sigmoid_into = [](Tensor& out, const Tensor& x) -> Tensor& { return at::sigmoid_out(out, x); };
+auto tanh_into = [](Tensor& out, const Tensor& x) -> Tensor& { return at::tanh_out(out, x); };
+auto exp_into = [](Tensor& out, const Tensor& x) -> Tensor& { return at::exp_out(out, x); };
+auto log_into = [](Tensor& out, const Tensor& x) -> Tensor& { return at::log_out(out, x); };
+auto sin_into = [](Tensor& out, const Tensor& x) -> Tensor& { return at::sin_out(out, x); };
+auto cos_into = [](Tensor& out, const Tensor& x) -> Tensor& { return at::cos_out(out, x); };
+auto erf_into = [](Tensor& out, const Tensor& x) -> Tensor& { return at::erf_out(out, x); };
+
+Tensor blocked_silu(const Tensor& x) { return pointwise(x, silu_into); }
+Tensor& blocked_silu_(Tensor& x) { return pointwise_(x, silu_into); }
+Tensor blocked_sigmoid(const Tensor& x) { return pointwise(x, sigmoid_into); }
+Tensor& blocked_sigmoid_(Tensor& x) { return pointwise_(x, sigmoid_into); }
+Tensor blocked_tanh(const Tensor& x) { return pointwise(x, tanh_into); }
+Tensor& blocked_tanh_(Tensor& x) { return pointwise_(x, tanh_into); }
+Tensor blocked_exp(const Tensor& x) { return pointwise(x, exp_into); }
+Tensor& blocked_exp_(Tensor& x) { return pointwise_(x, exp_into); }
+Tensor blocked_log(const Tensor& x) { return pointwise(x, log_into); }
+Tensor blocked_sin(const Tensor& x) { return pointwise(x, sin_into); }
+Tensor blocked_cos(const Tensor& x) { return pointwise(x, cos_into); }
+Tensor blocked_erf(const Tensor& x) { return pointwise(x, erf_into); }
+
+Tensor blocked_gelu(const Tensor& x, c10::string_view approximate) {
+  return pointwise(x, [&](Tensor& out, const Tensor& in) -> Tensor& { return at::gelu_out(out, in, approximate); });
+}
+
+Tensor& blocked_gelu_(Tensor& x, c10::string_view approximate) {
+  return pointwise_(x, [&](Tensor& out, const Tensor& in) -> Tensor& { return at::gelu_out(out, in, approximate); });
+}
+
 // --- installation ------------------------------------------------------------------
 
 // One library per dispatch key; destroying it removes its kernels and the stock ones answer again.
@@ -1025,7 +1120,8 @@ std::string g_error;
 }  // namespace
 
 // The C interface native.py loads through ctypes. `ops` is a comma-separated subset of
-// mm,addmm,bmm,baddbmm,convolution,group_norm,upsample_nearest2d; returns 0, or -1 with the reason in
+// mm,addmm,bmm,baddbmm,convolution,group_norm,upsample_nearest2d and the pointwise ops (POINTWISE_OPS in
+// native.py); returns 0, or -1 with the reason in
 // omniserve_kernels_error().
 extern "C" int omniserve_kernels_install(const char* dispatch_key, const char* ops) {
   try {
@@ -1046,6 +1142,19 @@ extern "C" int omniserve_kernels_install(const char* dispatch_key, const char* o
     if (has("convolution")) library->impl("convolution", TORCH_FN(blocked_convolution));
     if (has("group_norm")) library->impl("group_norm", TORCH_FN(blocked_group_norm));
     if (has("upsample_nearest2d")) library->impl("upsample_nearest2d", TORCH_FN(blocked_upsample_nearest2d));
+#define OMNISERVE_POINTWISE(name)                                              \
+  if (has(#name)) library->impl(#name, TORCH_FN(blocked_##name));              \
+  if (has(#name "_")) library->impl(#name "_", TORCH_FN(blocked_##name##_));
+    OMNISERVE_POINTWISE(silu)
+    OMNISERVE_POINTWISE(sigmoid)
+    OMNISERVE_POINTWISE(tanh)
+    OMNISERVE_POINTWISE(exp)
+    OMNISERVE_POINTWISE(gelu)
+#undef OMNISERVE_POINTWISE
+    if (has("log")) library->impl("log", TORCH_FN(blocked_log));
+    if (has("sin")) library->impl("sin", TORCH_FN(blocked_sin));
+    if (has("cos")) library->impl("cos", TORCH_FN(blocked_cos));
+    if (has("erf")) library->impl("erf", TORCH_FN(blocked_erf));
     slot = std::move(library);
     return 0;
   } catch (const std::exception& err) {

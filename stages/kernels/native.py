@@ -32,7 +32,24 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("blocked.cpp")
 #: Every op blocked.cpp can replace, and the subset vLLM's CUDA mode leaves out.
-CPU_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "group_norm", "upsample_nearest2d")
+#: Transcendental elementwise ops, each computed by its stock vector code on every element (blocked.cpp, "pointwise").
+POINTWISE_OPS = (
+    "silu",
+    "silu_",
+    "sigmoid",
+    "sigmoid_",
+    "tanh",
+    "tanh_",
+    "exp",
+    "exp_",
+    "gelu",
+    "gelu_",
+    "log",
+    "sin",
+    "cos",
+    "erf",
+)
+CPU_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "group_norm", "upsample_nearest2d", *POINTWISE_OPS)
 CUDA_COVER_OPS = ("convolution", "group_norm")
 
 

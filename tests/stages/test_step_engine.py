@@ -118,6 +118,15 @@ def test_a_sample_cobatched_with_unlike_neighbours_gives_its_solo_bytes(engine, 
     check(engine, equal)
 
 
+def test_samples_of_one_prompt_encoded_in_one_call_give_their_solo_bytes(engine):
+    """Requests for one prompt (other seeds) join one text-encoder call, the whole batch's rows in one tensor: the last
+    one's bits once followed where its elements fell in ATen's elementwise loops (Qwen2.5-VL's SiLU, avx512 path,
+    the third of three), until the pointwise kernels (blocked.cpp) computed every element by the same code."""
+    together = engine.render([sample(engine, TARGET[0], seed, num_inference_steps=2) for seed in (5, 6, 7)])
+    alone = [solo(engine, TARGET[0], seed, num_inference_steps=2) for seed in (5, 6, 7)]
+    check(engine, all(np.array_equal(a, b) for a, b in zip(together, alone, strict=True)))
+
+
 def test_a_sample_joining_a_running_batch_midway_gives_its_solo_bytes(engine):
     alone = solo(engine, *TARGET)
     collector = Collector(engine)
