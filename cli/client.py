@@ -140,6 +140,7 @@ def reproduction(record: ImageRecord) -> dict:
         "true_cfg_scale": p.true_cfg_scale,
         # Each adapter with the sha256 of the weights that rendered it: a replica whose file differs refuses (400).
         "lora": [choice.model_dump() for choice in p.lora] if p.lora else None,
+        "cache": p.cache.model_dump(exclude_none=True) if p.cache else None,  # step caching, as it ran
     }
     return body | {k: v for k, v in extra.items() if v is not None}
 

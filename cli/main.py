@@ -28,7 +28,7 @@ def _log(line: str) -> None:
 
 
 def _audited_models(args: argparse.Namespace) -> list[str] | None:
-    """The --model values, "default" standing for the stage's default model (whatever its id is)."""
+    """The --model values, "default" standing for the stage's default model (whatever its id is; audit, bench)."""
     from stages.embedded import DEFAULT_MODELS
 
     return [DEFAULT_MODELS[args.stage] if model == "default" else model for model in args.model or []] or None
@@ -134,7 +134,11 @@ def _given(args: argparse.Namespace, *names: str) -> dict:
 
 def _bench_run(args: argparse.Namespace, command: list[str]):
     """(the benchmark's module, its report) for `--load`."""
+    from bench import load
+
     model = args.model[0] if args.model else None
+    if args.cache:
+        return _cache_bench(args, command)
     if args.load == "none":
         from bench import diffusion as module
         from stages.embedded import embedded_models
@@ -149,8 +153,6 @@ def _bench_run(args: argparse.Namespace, command: list[str]):
             log=_log,
         )
     if args.load == "mixed":
-        from bench import load
-
         load_spec = load.LoadSpec(
             **_given(
                 args, "rate", "requests", "short_fraction", "short_steps", "long_steps", "size", "long_size", "seed"
@@ -181,6 +183,26 @@ def _bench_run(args: argparse.Namespace, command: list[str]):
 
     abandon_spec = abandon.AbandonSpec(**_given(args, "give_up_s", "big_requests"), trials=args.repeats or 3)
     return abandon, abandon.run_abandon(build_app, abandon_spec, modes=args.modes, command=command, log=_log)
+
+
+def _cache_bench(args: argparse.Namespace, command: list[str]):
+    """(the benchmark's module, its report) for `--cache`: step caching against off (bench/step_cache.py)."""
+    from bench import load, step_cache
+    from stages.embedded import DEFAULT_MODELS
+
+    mixed = _given(args, "rate", "short_steps", "seed")
+    return step_cache, step_cache.run_cache_bench(
+        _audited_models(args) or [DEFAULT_MODELS["diffusion"]],
+        args.cache,
+        steps_list=[args.steps] if args.steps else [50, 8],
+        images=args.requests or 16,
+        repeats=args.repeats or 3,
+        spec=load.LoadSpec(**{"rate": 2.0, "requests": 24, "short_steps": 8, **mixed}),
+        max_batch_size=args.max_batch_size,
+        torch_threads=args.torch_threads or 2,
+        command=command,
+        log=_log,
+    )
 
 
 def _one(values: list[int], option: str) -> int:
@@ -353,6 +375,12 @@ def _bench_parser(commands) -> None:
 
 
 def _bench_load_options(parser) -> None:
+    parser.add_argument_group("--stage diffusion --cache (step caching, bench/step_cache.py)").add_argument(
+        "--cache",
+        type=_words,
+        help="cache settings against off, e.g. off,0.1,0.2 (TeaCache thresholds); with --steps one step count "
+        "(default 50 and 8), --requests images per burst (default 16), --rate the mixed load's arrivals",
+    )
     served = parser.add_argument_group("--load mixed / distinct-guidance / abandoned (the stage under load)")
     served.add_argument(
         "--modes",

@@ -193,6 +193,11 @@ class IngressConfig(DeploymentConfig):
     # REWRITE_CACHE_ENTRIES when the LLM stage is batch-invariant (a rewrite is then a pure function of the prompt
     # and its seeded params, so a kept one is exact), else 0 (a rewrite then depends on its batch).
     rewrite_cache_entries: Annotated[int, Field(ge=0)] | None = None
+    # Each ingress replica's exact result caches (orchestration/result_cache.py), images and chat completions, each
+    # within this many MiB, the least recently used dropped first; 0: none. Only results whose stages were invariant
+    # and verified are kept, and a repeated request is then answered from it byte for
+    # byte (`cache: "hit"`). examples/omni_app turns it on; off here, so an app built without it runs every request.
+    result_cache_mib: Annotated[int, Field(ge=0)] = 0
 
 
 #: The rewrite cache's default bound, in entries (each one rewrite: its text, token ids and logprobs, ~2 KB).

@@ -351,10 +351,14 @@ class ImageData(BaseModel):
     seed: int  # s_i: a request with n=1 and this seed reproduces this image bit for bit
     sha256: str  # of the PNG bytes
     # Extensions for observability: which diffusion replica rendered it, the most samples that shared one of its
-    # denoiser calls, and how many of its steps were shared.
+    # denoiser calls, how many of its steps were shared, and how many ran the denoiser (step caching skips some).
     replica: str | None = None
     batch_size: int | None = None
     steps_co_batched: int | None = None
+    steps_computed: int | None = None
+    # The ingress's exact result cache (an extension): "hit" when this image was answered from it, "miss" when
+    # rendered; absent where the app keeps none.
+    cache: Literal["hit", "miss"] | None = None
 
 
 class ImagesResponse(BaseModel):
@@ -449,6 +453,7 @@ class ChatCompletionResponse(BaseModel):
     token_ids: list[int]
     invariance: dict[str, StageInvariance]
     lora: LoraChoice | None = None  # the LoRA adapter it ran with, and its weights' sha256
+    cache: Literal["hit", "miss"] | None = None  # the ingress's exact result cache; absent where the app keeps none
 
 
 class ModelCard(BaseModel):

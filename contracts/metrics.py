@@ -100,6 +100,19 @@ METRICS: dict[str, Metric] = {
             ("call", "cause"),
             "stage calls the ingress sent again after an infrastructure failure (orchestration.retries)",
         ),
+        Metric(
+            "omniserve_result_cache_total",
+            "counter",
+            ("kind", "result"),
+            "images (kind image) and chat completions (chat) looked up in the ingress's exact result cache: hit "
+            "(answered from it) or miss (run)",
+        ),
+        Metric(
+            "omniserve_diffusion_steps_computed_total",
+            "counter",
+            (),
+            "denoising steps whose denoiser call held an image's rows (fewer than its steps with step caching)",
+        ),
         Metric("omniserve_batch_invariant", "gauge", ("stage",), "the replica's batch-invariance switch: 1 on, 0 off"),
         Metric(
             "omniserve_kernel_backend",

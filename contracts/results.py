@@ -93,6 +93,7 @@ class RenderedImage(
     sha256: str
     batch_size: int  # the most samples that shared one of its denoiser calls
     steps_co_batched: int  # how many of its steps ran with other samples
+    steps_computed: int  # how many of its steps ran the denoiser (fewer than its steps with step caching)
     replica: str
 
 

@@ -210,6 +210,31 @@ def _distinct_adapters(choices: list[LoraChoice]) -> list[LoraChoice]:
 Loras = Annotated[list[LoraChoice], Field(min_length=1, max_length=MAX_LORAS), AfterValidator(_distinct_adapters)]
 
 
+#: Step caching's threshold bounds: the relative change accumulated before a sample's denoiser runs again.
+MAX_CACHE_THRESHOLD = 10.0
+
+
+class StepCache(Contract):
+    """Per-sample step caching (an extension; stages.diffusion.engine.step_cache): TeaCache's rule, decided for each
+    sample from its own values alone, so a cached sample's bits never depend on its neighbours. "teacache": the
+    relative L1 change of the sample's denoiser input is accumulated step by step; while it stays under `threshold`,
+    the sample's last prediction is reused and its rows stay out of the denoiser call. "off": every step computed
+    (overrides a deployment's default)."""
+
+    method: Literal["teacache", "off"]
+    threshold: Annotated[Finite, Field(gt=0.0, le=MAX_CACHE_THRESHOLD)] | None = None
+
+    @model_validator(mode="after")
+    def _threshold_iff_cached(self) -> Self:
+        if (self.method == "teacache") != (self.threshold is not None):
+            raise PydanticCustomError("cache_threshold", "give a threshold with method 'teacache', and none with 'off'")
+        return self
+
+    @property
+    def active(self) -> bool:
+        return self.method != "off"
+
+
 @dataclass(frozen=True)
 class Served:
     """Where one image sampling field goes besides DiffusionSamplingParams, declared beside its type, so that a new
@@ -249,6 +274,9 @@ class DiffusionSamplingParams(Contract):
     sigmas: Annotated[Sigmas | None, Served(batch="value")] = None
     # LoRA adapters (step engine only): each row's low-rank updates in its own call rows, the base weights untouched.
     lora: Annotated[Loras | None, Served()] = None
+    # Step caching (step engine only): a sample's denoiser calls skipped while its input barely changes; None: the
+    # deployment's default (none unless configured).
+    cache: Annotated[StepCache | None, Served(default=True)] = None
 
 
 def image_fields(model: type[BaseModel] = DiffusionSamplingParams, **where: Any) -> dict[str, FieldInfo]:

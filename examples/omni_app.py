@@ -7,6 +7,8 @@ Offline on a 2-core CPU box: tiny real-architecture models built locally, fracti
 
 from orchestration import AppConfig, app_builder, build_app
 
-app = build_app(AppConfig())
+#: The ingress keeps 256 MiB of exact images and of exact chat completions: a repeated request whose stages are
+#: invariant and verified is answered byte for byte without a stage call (orchestration/result_cache.py).
+app = build_app(AppConfig.from_args({"ingress.result_cache_mib": 256}))
 
 __all__ = ["app", "app_builder"]

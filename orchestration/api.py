@@ -40,6 +40,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -68,7 +69,7 @@ from .health import HealthResponse
 from .metrics import RequestMetrics
 from .pipeline import results
 from .playground import mount as mount_playground
-from .responses import image_event, images_response
+from .responses import http_caching, image_event, images_response
 
 if TYPE_CHECKING:
     from .ingress import Ingress
@@ -178,19 +179,21 @@ async def read_edit(request: Request) -> ImageEditRequest:
     return ImageEditRequest.from_form(fields)
 
 
-async def edit_images(ingress: Ingress, request: Request, timeout_s: float) -> ImagesResponse | StreamingResponse:
+async def edit_images(ingress: Ingress, request: Request, timeout_s: float) -> JSONResponse | StreamingResponse:
     """OpenAI's image edits (image-to-image): the generation path, from the image of a multipart form."""
     return await images_or_events(ingress, await read_edit(request), timeout_s)
 
 
 async def images_or_events(
     ingress: Ingress, request: ImageGenerationRequest, timeout_s: float
-) -> ImagesResponse | StreamingResponse:
+) -> JSONResponse | StreamingResponse:
     """The response writer of every image route: the images whole, or (`stream: true`) as server-sent events, from
     one admitted plan and its items (`Ingress.images`)."""
     plan, items = await ingress.images(request)
     if not request.stream:
-        return images_response(plan, await results(plan, items), ingress.config.switches)
+        done = await results(plan, items)
+        whole = images_response(plan, done, ingress.config.switches)
+        return JSONResponse(jsonable_encoder(whole), headers=http_caching(done))
     kind = STREAM_EVENT_KINDS["edit" if isinstance(request, ImageEditRequest) else "generation"]
     events = (image_event(kind, index, item) async for index, item in items)
     return StreamingResponse(

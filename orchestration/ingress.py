@@ -33,11 +33,13 @@ from contracts.http import (
     ModelList,
 )
 from contracts.invariance import STAGES, Stage
+from contracts.results import Completion
 
 from .config import AppConfig
 from .health import HealthProbe, HealthResponse
 from .pipeline import ImagePipeline, ImagePlan, RewriteCache, admit_chat, admit_edit, admit_images
 from .responses import chat_response
+from .result_cache import ResultCache, chat_key, exact
 from .retries import Retrying
 
 
@@ -50,7 +52,14 @@ class Ingress:
         self.config = config
         self.handles: dict[Stage, DeploymentHandle] = {"llm": llm, "diffusion": diffusion}
         self.retrying = Retrying(config.ingress.retry_attempts, config.ingress.retry_backoff_s)
-        self.pipeline = ImagePipeline(llm, diffusion, self.retrying, RewriteCache(config.rewrite_cache_entries))
+        self.pipeline = ImagePipeline(
+            llm,
+            diffusion,
+            self.retrying,
+            RewriteCache(config.rewrite_cache_entries),
+            ResultCache("image", config.ingress.result_cache_mib << 20),
+        )
+        self.completions: ResultCache[Completion] = ResultCache("chat", config.ingress.result_cache_mib << 20)
         self.probe = HealthProbe(self.handles, config)
         self._served_models: dict[str, str] = {}
 
@@ -80,11 +89,21 @@ class Ingress:
         if request.model is not None:
             await self.check_model("llm", request.model)
         params = admit_chat(request, self.config)
-        result = await self.retrying.call(
-            "a chat completion", lambda: self.handles["llm"].chat.remote(request.messages, params)
-        )
+        key = chat_key(request.messages, params)
+        kept, cache = self.completions.get(key), "hit"
+        if kept is None:
+            made: Completion = await self.retrying.call(
+                "a chat completion", lambda: self.handles["llm"].chat.remote(request.messages, params)
+            )
+            size = len(made.text.encode()) + 16 * len(made.token_ids)  # text, ids and logprobs
+            self.completions.put(key, made, made_by=made, size=size, exact=exact(made))
+            kept, cache = made, "miss"
         return chat_response(
-            result, seed=params.seed, with_logprobs=bool(request.logprobs), batch_invariant=self.config.switches.llm
+            kept,
+            seed=params.seed,
+            with_logprobs=bool(request.logprobs),
+            batch_invariant=self.config.switches.llm,
+            cache=cache if self.completions.max_bytes else None,
         )
 
     async def models(self) -> ModelList:
@@ -103,9 +122,9 @@ class Ingress:
         report.ingress["retried_calls"] = (
             self.retrying.retried
         )  # stage calls sent again after an infrastructure failure
-        report.ingress["rewrite_cache"] = (
-            self.pipeline.rewrites.stats
-        )  # this replica's (each ingress replica keeps its own)
+        # This replica's caches (each ingress replica keeps its own).
+        report.ingress["rewrite_cache"] = self.pipeline.rewrites.stats
+        report.ingress["result_cache"] = {"image": self.pipeline.kept.stats, "chat": self.completions.stats}
         return report
 
     async def served_model(self, stage: Stage) -> str:

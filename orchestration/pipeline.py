@@ -9,6 +9,7 @@
                                                    same for generations, edits and streams
     results(plan, items) -> [ImageResult]          the images alone, in order (a response written whole)
     RewriteCache                                   rewrites already made, by (prompt, seeded params): bounded LRU
+    (orchestration.result_cache.ResultCache)       images already rendered, exact ones only: bounded LRU by bytes
 
 Image i is a pure function of (prompt, parameters, s_i), with s_i = seed_for_image(seed, i): a request
 with n=1 and seed=s_i reproduces it bit for bit, revised prompt included, streamed or not: each image's origin
@@ -38,6 +39,8 @@ from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import seed_or_picked, seeds_for_request
 
 from .config import AppConfig
+from .result_cache import ResultCache, image_key
+from .result_cache import exact as is_exact
 from .retries import Retrying
 
 
@@ -65,6 +68,7 @@ class ImageResult:
     revised_prompt: str
     image: RenderedImage
     rewrite: RevisedPrompt | None  # None when enhancement was skipped
+    cache: str | None = None  # the ingress's result cache: "hit", "miss"; None: no cache
 
 
 def admit_images(request: ImageGenerationRequest, config: AppConfig) -> ImagePlan:
@@ -161,11 +165,13 @@ class ImagePipeline:
         diffusion: DeploymentHandle,
         retrying: Retrying,
         rewrites: RewriteCache | None = None,
+        images: ResultCache[ImageResult] | None = None,
     ):
         self.llm = llm
         self.diffusion = diffusion
         self.retrying = retrying
         self.rewrites = rewrites or RewriteCache(0)
+        self.kept = images or ResultCache("image", 0)
 
     async def rewrite(self, prompt: str, llm_params: LLMSamplingParams) -> RevisedPrompt:
         """The prompt's rewrite: kept from before, else from the LLM stage (and then kept)."""
@@ -190,7 +196,13 @@ class ImagePipeline:
     async def image(
         self, plan: ImagePlan, llm_params: LLMSamplingParams | None, params: DiffusionSamplingParams
     ) -> AsyncIterator[PartialImage | ImageResult]:
-        """One image: its rewrite, then its RenderJob's previews from the diffusion stage, then its ImageResult."""
+        """One image: its rewrite, then its RenderJob's previews from the diffusion stage, then its ImageResult; or, kept
+        by the result cache from an earlier request, its ImageResult at once."""
+        key = image_key(plan.prompt, llm_params, params, plan.image)
+        if kept := self.kept.get(key):
+            yield replace(kept, cache="hit")
+            return
+        cache = "miss" if self.kept.max_bytes else None
         rewrite, origin = await self.origin(plan.prompt, llm_params)
         prompt = rewrite.revised_prompt if rewrite else plan.prompt
         job = RenderJob(
@@ -201,11 +213,13 @@ class ImagePipeline:
         async for item in self.retrying.stream(
             what, lambda: cast(DeploymentResponseGenerator, self.diffusion.options(stream=True).render.remote(job))
         ):
-            yield (
-                item
-                if isinstance(item, PartialImage)
-                else ImageResult(revised_prompt=prompt, image=item, rewrite=rewrite)
-            )
+            if isinstance(item, PartialImage):
+                yield item
+            else:
+                result = ImageResult(revised_prompt=prompt, image=item, rewrite=rewrite, cache=cache)
+                exact = is_exact(item) and is_exact(rewrite)
+                self.kept.put(key, result, made_by=item, size=len(item.png), exact=exact)
+                yield result
 
     async def items(self, plan: ImagePlan) -> AsyncIterator[tuple[int, PartialImage | ImageResult]]:
         """(image index, preview or result) as they come, the n images rendered concurrently; the first failure

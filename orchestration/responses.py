@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import time
 import uuid
 
@@ -25,6 +26,7 @@ from contracts.invariance import Switches
 from contracts.results import Completion, PartialImage, Provenance
 
 from .pipeline import ImagePlan, ImageResult
+from .result_cache import exact
 
 
 def _b64(png: bytes) -> str:
@@ -40,6 +42,8 @@ def image_data(r: ImageResult) -> ImageData:
         replica=r.image.replica,
         batch_size=r.image.batch_size,
         steps_co_batched=r.image.steps_co_batched,
+        steps_computed=r.image.steps_computed,
+        cache=r.cache,
     )
 
 
@@ -82,6 +86,15 @@ def scope(results: list[Provenance]) -> dict:
         "verified_by": list(dict.fromkeys(by)),
         "scope_differences": list(dict.fromkeys(reasons)),
     }
+
+
+def http_caching(results: list[ImageResult]) -> dict[str, str]:
+    """Headers that let HTTP caches help: where every image is exact (`result_cache.exact`), an ETag naming the images
+    (their sha256s) and a year's freshness, since the same request can only ever get these bytes; else no-store."""
+    if not all(exact(r.image) and exact(r.rewrite) for r in results):
+        return {"Cache-Control": "no-store"}
+    tag = hashlib.sha256(" ".join(r.image.sha256 for r in results).encode()).hexdigest()
+    return {"ETag": f'"{tag}"', "Cache-Control": "public, max-age=31536000, immutable"}
 
 
 def images_response(plan: ImagePlan, results: list[ImageResult], switches: Switches) -> ImagesResponse:
@@ -127,7 +140,7 @@ def _logprobs(result: Completion) -> ChoiceLogprobs:
 
 
 def chat_response(
-    result: Completion, *, seed: int | None, with_logprobs: bool, batch_invariant: bool
+    result: Completion, *, seed: int | None, with_logprobs: bool, batch_invariant: bool, cache: str | None = None
 ) -> ChatCompletionResponse:
     return ChatCompletionResponse(
         id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -146,6 +159,7 @@ def chat_response(
         seed=seed,
         token_ids=result.token_ids,
         lora=result.lora,
+        cache=cache,
         invariance={
             "llm": StageInvariance(
                 batch_invariant=batch_invariant, kernel_backend=result.kernel_backend, **scope([result])

@@ -107,6 +107,7 @@ def image_counted(method: str, image: RenderedT) -> RenderedT:
     """A rendered image, counted into `omniserve_images_total` and its batch size observed."""
     record("omniserve_images_total", method=method)
     record("omniserve_diffusion_batch_size", image.batch_size)
+    record("omniserve_diffusion_steps_computed_total", image.steps_computed)
     return image
 
 

@@ -37,7 +37,7 @@ class StepBatching:
             torch_threads=config.torch_threads,
             pack_sizes=config.pack_sizes,
         )
-        self.rendered = rendered  # (job, float image, batch_size, steps_co_batched) -> RenderedImage
+        self.rendered = rendered  # (job, float image, batch_size, steps_co_batched, steps_computed) -> RenderedImage
 
     async def render(self, job: Job, on_preview=None) -> RenderedImage:
         """Render one job; `on_preview(index, float image)` is called on the engine's thread at `job.previews`."""
@@ -46,7 +46,9 @@ class StepBatching:
 
         def on_done(result: Any) -> None:  # on the engine's thread: encode there, settle on the event loop
             if not isinstance(result, BaseException):
-                result = self.rendered(job, result, sample.largest_batch, sample.steps_co_batched)
+                result = self.rendered(
+                    job, result, sample.largest_batch, sample.steps_co_batched, sample.steps_computed
+                )
             loop.call_soon_threadsafe(_settle, future, result)
 
         sample = self.engine.submit(
@@ -119,10 +121,10 @@ class RequestBatching:
             images = self.renderer.render(jobs)
         finally:
             self._batch_started = None
-        shared = len(jobs) > 1
+        steps = [cast(int, job.params.num_inference_steps) for job in jobs]  # resolved: set
         return [
-            self.rendered(job, image, len(jobs), cast(int, job.params.num_inference_steps) * shared)  # resolved: set
-            for job, image in zip(jobs, images, strict=False)
+            self.rendered(job, image, len(jobs), n * (len(jobs) > 1), n)
+            for job, image, n in zip(jobs, images, steps, strict=False)
         ]
 
     def warm_up(self, job: Job) -> None:

@@ -184,7 +184,8 @@ def model_defaults(pipe, model: str, size_multiple: int, config: DiffusionStageC
         # request that names no size (and the warm-up) is admitted.
         size = math.isqrt(config.max_pixels) // size_multiple * size_multiple
     defaults = {"num_inference_steps": 8 if embedded else 28, "guidance_scale": 5.0, "height": size, "width": size}
-    return {**defaults, **config.defaults.model_dump(exclude_none=True)}
+    configured = {name: getattr(config.defaults, name) for name in type(config.defaults).model_fields}
+    return {**defaults, **{name: value for name, value in configured.items() if value is not None}}  # typed values
 
 
 def adapter_library(config: DiffusionStageConfig, model: str, pipe, family: Family | None) -> AdapterLibrary:
@@ -199,6 +200,15 @@ def adapter_library(config: DiffusionStageConfig, model: str, pipe, family: Fami
         config.lora_cache_mib << 20,
         dtype=family.dtype if family else None,
         device=pipe.device,
+    )
+
+
+def step_engine_only(param: str, what: str, model: str) -> InvalidRequestError:
+    """The 400 for a field only the step engine serves, from a replica that batches whole requests."""
+    return InvalidRequestError(
+        f"{what} by the step engine; this replica renders {model} by whole-request batches",
+        param=param,
+        code="unsupported_value",
     )
 
 
@@ -266,6 +276,8 @@ class DiffusionRenderer:
         resolved = params.model_copy(update=filled) if filled else params
         self.config.check_limits(resolved)
         check_renderable(self, resolved)
+        if resolved.cache is not None and resolved.cache.active and not (step_engine and self.family):
+            raise step_engine_only("cache", "step caching is decided per sample", self.model)
         if resolved.lora:
             resolved = resolved.model_copy(update={"lora": self._adapters(resolved.lora, step_engine)})
         if resolved.scheduler is not None:
@@ -281,12 +293,7 @@ class DiffusionRenderer:
     def _adapters(self, choices: list[LoraChoice], step_engine: bool) -> list[LoraChoice]:
         """A request's adapters with their sha256 filled in; refused where this replica cannot apply them per row."""
         if not (step_engine and self.family):
-            raise InvalidRequestError(
-                f"LoRA adapters are applied per row by the step engine; this replica renders {self.model} by "
-                "whole-request batches",
-                param="lora",
-                code="unsupported_value",
-            )
+            raise step_engine_only("lora", "LoRA adapters are applied per row", self.model)
         resolved = self.loras.resolve(choices)
         for choice in resolved:
             self.family.check_adapter(self.loras.get(choice.name))

@@ -90,7 +90,9 @@ class DiffusionStage:
         finally:
             self.in_flight -= 1
 
-    def _rendered(self, job: Job, image: Any, batch_size: int, steps_co_batched: int) -> RenderedImage:
+    def _rendered(
+        self, job: Job, image: Any, batch_size: int, steps_co_batched: int, steps_computed: int
+    ) -> RenderedImage:
         provenance = self.provenance.model_copy(
             update=self.scope.provenance(self.scope.for_size(cast(int, job.params.width), cast(int, job.params.height)))
         )
@@ -102,6 +104,7 @@ class DiffusionStage:
             **rendered_params(job.params),
             batch_size=batch_size,
             steps_co_batched=steps_co_batched,
+            steps_computed=steps_computed,
             **provenance.model_dump(),
             replica=self.replica,
         )

@@ -29,7 +29,26 @@ from .sample import Sample
 logger = logging.getLogger("ray.serve")
 
 
+def take_joining(waiting: deque[Sample], most: int) -> list[Sample]:
+    """Waiting samples that join now (at most `most`: one batch of text encodings), the cancelled ones dropped."""
+    joining, now = cast(list[Sample], []), time.monotonic()  # cast: an empty list's items are not inferred
+    while waiting and len(joining) < most:
+        if not (sample := waiting.popleft()).cancelled:
+            sample.joined_at = now
+            joining.append(sample)
+    return joining
+
+
+def each_decides(family: Family, batch: list[Sample]) -> list[Sample]:
+    """The samples whose rows join this step's denoiser call: with step caching, each decides from its own values
+    alone (stages.diffusion.engine.step_cache), so the decision, like its bits, never follows its neighbours."""
+    return [s for s in batch if s.cache is None or s.cache.computes(family.cache_signal(s), s.step, len(s.timesteps))]
+
+
 class StepEngine:
+    #: The samples whose rows join a step's denoiser call (step caching: each decides for itself, `each_decides`).
+    computed = staticmethod(each_decides)
+
     def __init__(self, family: Family, *, max_batch_size: int, torch_threads: int | None = None, pack_sizes=True):
         self.family, self.max_batch_size, self.torch_threads = family, max_batch_size, torch_threads
         self.pack_sizes = pack_sizes and family.packs_sizes  # samples of different sizes in one forward (bool)
@@ -96,7 +115,7 @@ class StepEngine:
                     self._wake.wait()
                 if self._stopped:
                     return
-                joining, self.step_started = self._take_joining(), time.monotonic()
+                joining, self.step_started = take_joining(self._waiting, self.max_batch_size), time.monotonic()
                 self._active = [s for s in self._active if not s.cancelled]
             with torch.inference_mode():
                 self._join(joining)
@@ -104,15 +123,6 @@ class StepEngine:
                 if batch:
                     self._forward(batch)
             self.step_started = None
-
-    def _take_joining(self) -> list[Sample]:
-        """Waiting samples that join now (at most one batch of text encodings), the cancelled ones dropped."""
-        joining, now = cast(list[Sample], []), time.monotonic()  # cast: an empty list's items are not inferred
-        while self._waiting and len(joining) < self.max_batch_size:
-            if not (sample := self._waiting.popleft()).cancelled:
-                sample.joined_at = now
-                joining.append(sample)
-        return joining
 
     def _join(self, joining: list[Sample]) -> None:
         if not joining:
@@ -140,16 +150,20 @@ class StepEngine:
 
     def _forward(self, batch: list[Sample]) -> None:
         try:
-            predictions = self.family.forward(batch)
-            for sample, prediction in zip(batch, predictions, strict=False):
-                self.family.step(sample, prediction)
+            computed = self.computed(self.family, batch)
+            fresh = dict(zip(computed, self.family.forward(computed), strict=True)) if computed else {}
+            for sample in batch:  # a cached sample steps with the prediction it kept
+                self.family.step(
+                    sample, fresh[sample] if sample.cache is None else sample.cache.kept(fresh.get(sample))
+                )
         except Exception as exc:
             self._fail(batch, exc)
             return
-        self.forwards += 1
-        for sample in batch:
-            sample.largest_batch = max(sample.largest_batch, len(batch))
-            sample.steps_co_batched += len(batch) > 1
+        self.forwards += bool(computed)
+        for sample in computed:
+            sample.steps_computed += 1
+            sample.largest_batch = max(sample.largest_batch, len(computed))
+            sample.steps_co_batched += len(computed) > 1
         self._partials([s for s in batch if s.on_partial and s.step in s.partial_steps and not s.cancelled])
         finished = [s for s in batch if s.finished]
         if finished:

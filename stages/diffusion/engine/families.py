@@ -50,6 +50,7 @@ from ..lora import AdapterLibrary, LoraAdapter, RowLora
 from .img2img import prepare_edit
 from .packing import PackedFluxAttnProcessor, PackedQwenAttnProcessor, PackedRows, PackedStreams, padded
 from .sample import Sample, seeded_generator
+from .step_cache import CachedSteps
 
 #: From this many pixels per image the VAE decodes a batch one image at a time: a batched decode's
 #: full-resolution activations outgrow the CPU caches (measured, tiny DiT at 256x256: 0.93x per image at
@@ -191,10 +192,15 @@ class Family:
         sample.step_kwargs = frozenset(inspect.signature(sample.scheduler.step).parameters)
         sample.timesteps = self.timesteps(sample)
         sample.generator = seeded_generator(params)
+        sample.cache = CachedSteps.of(params.cache)
         if sample.image is not None:
             prepare_edit(self, sample)  # its schedule starts at its strength, its latents at its noised image
             return
         sample.latents = self.initial_latents(sample)
+
+    def cache_signal(self, sample: Sample) -> torch.Tensor:
+        """What step caching compares from step to step: the sample's latents as its denoiser takes them."""
+        return sample.latents
 
     def initial_latents(self, sample: Sample) -> torch.Tensor:
         params = sample.params

@@ -53,6 +53,10 @@ class Sample:
     steps_co_batched: int = 0
     # Forwards it waited through while others ran (ages it, so a long sample is never starved).
     skipped: int = 0
+    # Step caching (stages.diffusion.engine.step_cache), None: every step computed; and the steps whose denoiser call
+    # held its rows.
+    cache: Any = None
+    steps_computed: int = 0
 
     @property
     def cfg(self) -> bool:
