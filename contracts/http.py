@@ -269,6 +269,15 @@ def _json_value(text: str) -> Any:
         return text  # not JSON: validation names the field and the type it wants
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options` of a streamed chat completion."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    # A last chunk with no choices and the whole completion's `usage` (and `usage: null` on every other chunk).
+    include_usage: StrictBool | None = None
+
+
 class ChatCompletionRequest(_Request):
     """`POST /v1/chat/completions`: the LLM stage alone, OpenAI's fields plus vLLM's sampling extensions."""
 
@@ -279,9 +288,8 @@ class ChatCompletionRequest(_Request):
         "function_call": "this server has no function calling",
         "response_format": "this server has no JSON mode",
         "logit_bias": "this server does not bias logits",
-        "stream_options": "this server does not stream",
     }
-    WHOLE = "completions"
+    WHOLE = ""  # streamed as OpenAI streams chat (`chat.completion.chunk` events, then `[DONE]`; orchestration.api)
 
     model: Name | None = None
     messages: Messages
@@ -293,6 +301,7 @@ class ChatCompletionRequest(_Request):
     stop: StopText | StopList | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None
     stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None  # with stream=true only
     logprobs: StrictBool | None = None
     top_logprobs: Logprobs | None = None
     presence_penalty: Penalty | None = None
@@ -307,6 +316,7 @@ class ChatCompletionRequest(_Request):
     lora: LoraName | None = None
 
     _top_logprobs_need_logprobs = _needs("top_logprobs", "logprobs")
+    _stream_options_need_stream = _needs("stream_options", "stream")
 
     def llm_params(self, seed: int | None) -> LLMSamplingParams:
         """The LLM stage's sampling params; unset fields keep LLMSamplingParams' defaults."""
@@ -454,6 +464,34 @@ class ChatCompletionResponse(BaseModel):
     invariance: dict[str, StageInvariance]
     lora: LoraChoice | None = None  # the LoRA adapter it ran with, and its weights' sha256
     cache: Literal["hit", "miss"] | None = None  # the ingress's exact result cache; absent where the app keeps none
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # the first chunk's only
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (OpenAI's `chat.completion.chunk`): every chunk of a stream
+    has its `id` and `created`; the deltas' contents concatenated are the non-streamed completion's content."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # with stream_options.include_usage: null, then the last chunk's
+    # Extensions: the seed, and the token ids this chunk adds (concatenated: the completion's `token_ids`).
+    seed: int | None = None
+    token_ids: list[int] = []
 
 
 class ModelCard(BaseModel):

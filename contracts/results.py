@@ -81,6 +81,17 @@ class Completion(Provenance):
     lora: LoraChoice | None = None  # the LoRA adapter it ran with (name and weights' sha256), None: the base model
 
 
+class CompletionDelta(Result):
+    """What a streamed chat completion adds at one step of its engine: the new text, tokens and their logprobs, and the
+    finish reason once it has one. A stream's deltas concatenated are its Completion's text, tokens and logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs] | None
+    finish_reason: str | None
+
+
 class RenderedImage(
     required_model(  # type: ignore[misc]  # a base made by pydantic.create_model
         "_Rendered", image_fields(rendered=True), base=Provenance, doc="the fields marked `rendered`"

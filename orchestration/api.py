@@ -98,6 +98,15 @@ STREAMED: dict[int | str, dict[str, Any]] = {
 }
 
 
+CHAT_STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the completion; with `stream: true`, server-sent events: `data: <chat.completion.chunk>` lines "
+        "(ChatCompletionChunk), then `data: [DONE]`",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
 def error_response(error: HTTPError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -205,8 +214,10 @@ def _frame(event: str, data: str) -> str:
     return f"event: {event}\ndata: {data}\n\n"
 
 
-async def server_sent(events: AsyncGenerator[Any, None], timeout_s: float) -> AsyncIterator[str]:
-    """Each event as one SSE frame, within `timeout_s` in all; a failure becomes a last `error` frame."""
+async def server_sent(events: AsyncGenerator[Any, None], timeout_s: float, *, chat: bool = False) -> AsyncIterator[str]:
+    """Each event as one SSE frame, within `timeout_s` in all; a failure becomes a last `error` frame. `chat`: OpenAI's
+    chat stream instead, data lines only (a failure as a `data: {"error": ...}` line), then `data: [DONE]`. A client
+    gone cancels this generator, which closes `events` and so the stage call behind them."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     try:
@@ -214,12 +225,23 @@ async def server_sent(events: AsyncGenerator[Any, None], timeout_s: float) -> As
             try:  # wait_for, not asyncio.timeout: a timeout must not fire while the caller sends a frame
                 event = await asyncio.wait_for(anext(events), deadline - loop.time())
             except StopAsyncIteration:
-                return
-            yield _frame(event.type, event.model_dump_json())
+                break
+            yield f"data: {event.model_dump_json()}\n\n" if chat else _frame(event.type, event.model_dump_json())
     except Exception as exc:
-        yield _frame("error", json.dumps(http_error(exc).body()))
+        body = json.dumps(http_error(exc).body())
+        yield f"data: {body}\n\n" if chat else _frame("error", body)
     finally:
         await events.aclose()
+    if chat:
+        yield "data: [DONE]\n\n"
+
+
+async def chat_events(ingress: Ingress, request: ChatCompletionRequest, timeout_s: float) -> StreamingResponse:
+    """A streamed chat completion (`stream: true`) as server-sent events, once admission has passed."""
+    chunks = await ingress.chat_stream(request)
+    return StreamingResponse(
+        server_sent(chunks, timeout_s, chat=True), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any]) -> None:
@@ -271,9 +293,9 @@ def build_api(ingress: Ingress) -> FastAPI:
     async def images_edits(request: Request):
         return await respond(edit_images(ingress, request, timeout_s))
 
-    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **CHAT_STREAMED})
     async def chat_completions(body: ChatCompletionRequest):
-        return await respond(ingress.chat(body))
+        return await respond(ingress.chat(body) if not body.stream else chat_events(ingress, body, timeout_s))
 
     @api.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models():

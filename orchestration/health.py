@@ -52,7 +52,18 @@ StageState = Literal["running", "degraded", "down"]
 #: none did, None when none was asked (no replica RUNNING).
 Answers = list[StageDescription] | BaseException | None
 #: The replica details /health shows (the rest, e.g. model_path, engine_args, invariance, stay in describe()).
-PUBLIC_DETAILS = ("device", "torch_threads", "embedded", "vllm_version", "startup_s", "defaults", "batching", "problem")
+PUBLIC_DETAILS = (
+    "device",
+    "torch_threads",
+    "embedded",
+    "vllm_version",
+    "startup_s",
+    "defaults",
+    "batching",
+    "problem",
+    "in_flight",
+    "requests_in_engine",
+)
 #: An absolute POSIX path (or ~/...) not inside a URL or a relative name; group 1 is its last part.
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])~?/(?:[^\s/'\"`,;:()\[\]{}<>]+/)*([^\s/'\"`,;:()\[\]{}<>]+)")
 _MESSAGE_CHARS = 500

@@ -15,14 +15,15 @@ replica by `__serve_build_asgi_app__` so that it can carry this replica's config
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from contracts.errors import ModelNotFoundError
 from contracts.http import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ImageEditRequest,
@@ -38,7 +39,7 @@ from contracts.results import Completion
 from .config import AppConfig
 from .health import HealthProbe, HealthResponse
 from .pipeline import ImagePipeline, ImagePlan, RewriteCache, admit_chat, admit_edit, admit_images
-from .responses import chat_response
+from .responses import chat_chunks, chat_response
 from .result_cache import ResultCache, chat_key, exact
 from .retries import Retrying
 
@@ -104,6 +105,27 @@ class Ingress:
             with_logprobs=bool(request.logprobs),
             batch_invariant=self.config.switches.llm,
             cache=cache if self.completions.max_bytes else None,
+        )
+
+    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
+        """A streamed chat completion's chunks (`stream: true`), admitted first (a bad request raises here, before
+        anything is sent). Never from the result cache: a stream shows a completion being made. The call is sent
+        again after an infrastructure failure only while nothing has come (`Retrying.stream`)."""
+        if request.model is not None:
+            await self.check_model("llm", request.model)
+        params = admit_chat(request, self.config)
+        handle = self.handles["llm"].options(stream=True)
+        items = self.retrying.stream(
+            "a chat completion",
+            lambda: cast(DeploymentResponseGenerator, handle.chat_stream.remote(request.messages, params)),
+        )
+        return chat_chunks(
+            items,
+            model=await self.served_model("llm"),
+            seed=params.seed,
+            with_logprobs=bool(request.logprobs),
+            include_usage=bool(request.stream_options and request.stream_options.include_usage),
+            batch_invariant=self.config.switches.llm,
         )
 
     async def models(self) -> ModelList:

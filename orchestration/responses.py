@@ -6,12 +6,16 @@ import base64
 import hashlib
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from contracts.http import (
     AssistantMessage,
     ChatChoice,
+    ChatCompletionChunk,
     ChatCompletionResponse,
     ChoiceLogprobs,
+    ChunkChoice,
+    ChunkDelta,
     ContentLogprob,
     ImageCompletedEvent,
     ImageData,
@@ -23,7 +27,7 @@ from contracts.http import (
     TokenLogprob,
 )
 from contracts.invariance import Switches
-from contracts.results import Completion, PartialImage, Provenance
+from contracts.results import Completion, CompletionDelta, PartialImage, Provenance
 
 from .pipeline import ImagePlan, ImageResult
 from .result_cache import exact
@@ -125,7 +129,7 @@ def _token(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def _logprobs(result: Completion) -> ChoiceLogprobs:
+def _logprobs(result: Completion | CompletionDelta) -> ChoiceLogprobs:
     tops = result.top_logprobs or [[] for _ in result.token_ids]
     return ChoiceLogprobs(
         content=[
@@ -137,6 +141,39 @@ def _logprobs(result: Completion) -> ChoiceLogprobs:
             for token, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=False)
         ]
     )
+
+
+async def chat_chunks(
+    items: AsyncIterator[CompletionDelta | Completion],
+    *,
+    model: str,
+    seed: int | None,
+    with_logprobs: bool,
+    include_usage: bool,
+    batch_invariant: bool,
+) -> AsyncGenerator[ChatCompletionChunk, None]:
+    """A streamed completion's chunks, as OpenAI streams chat: the assistant's role first, then each delta's text (and
+    token ids, logprobs), the finish reason on the last; with `include_usage`, a last chunk with the usage."""
+    same = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": f"omniserve-llm-bi{int(batch_invariant)}",
+        "seed": seed,
+    }
+    yield ChatCompletionChunk(**same, choices=[ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))])
+    async for item in items:
+        if isinstance(item, Completion):
+            if include_usage:
+                yield ChatCompletionChunk(**same, choices=[], usage=item.usage)
+            return
+        choice = ChunkChoice(
+            index=0,
+            delta=ChunkDelta(content=item.text),
+            finish_reason=item.finish_reason,
+            logprobs=_logprobs(item) if with_logprobs else None,
+        )
+        yield ChatCompletionChunk(**same, choices=[choice], token_ids=item.token_ids)
 
 
 def chat_response(

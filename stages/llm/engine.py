@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from contracts import envs
@@ -211,12 +211,20 @@ class LLMEngine:
 
     async def generate(self, prompt_ids: list[int], sampling, adapter: LlmAdapter | None = None) -> Generation:
         """One request (prompt token ids, vLLM SamplingParams, its LoRA adapter or None) to its end."""
+        final = None
+        async for output in self.stream(prompt_ids, sampling, adapter):
+            final = output
+        assert final is not None  # vLLM answers every request at least once
+        return final
+
+    async def stream(
+        self, prompt_ids: list[int], sampling, adapter: LlmAdapter | None = None
+    ) -> AsyncIterator[Generation]:
+        """The request's output so far, each time vLLM has more (cumulative: every token until now). Closing the
+        iterator early (a client gone) aborts the request in vLLM (its `generate` does on GeneratorExit)."""
         from vllm.inputs import TokensPrompt
 
-        final = None
-        request_id = uuid.uuid4().hex
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         lora = adapter.request() if adapter else None
-        async for output in self.async_llm.generate(prompt, sampling, request_id, lora_request=lora):
-            final = output
-        return to_generation(final)
+        async for output in self.async_llm.generate(prompt, sampling, uuid.uuid4().hex, lora_request=lora):
+            yield to_generation(output)

@@ -11,14 +11,14 @@ grammar (`stages.embedded.llm.StyleEnhancement`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from contracts.admission import admit_llm_params, admit_messages, admit_prompt
 from contracts.errors import InvalidRequestError
-from contracts.results import Completion, RevisedPrompt, Usage
+from contracts.results import Completion, CompletionDelta, Generation, RevisedPrompt, Usage
 from contracts.sampling import LLMSamplingParams, LoraChoice
 
 from .engine import LLMEngine
@@ -187,14 +187,43 @@ class LLMRequests:
 
     async def chat(self, messages: Any, params: LLMSamplingParams | Mapping[str, Any] | None = None) -> Completion:
         """One chat completion (messages in, assistant text out) through the model's chat template."""
+        params, prompt_ids, sampling, adapter = self.chat_request(messages, params)
+        result = await self.generate(prompt_ids, sampling, field="messages", adapter=adapter)
+        return self.completion(result, params, prompt_ids, adapter)
+
+    async def chat_stream(
+        self, messages: Any, params: LLMSamplingParams | Mapping[str, Any] | None = None
+    ) -> AsyncIterator[CompletionDelta | Completion]:
+        """The same completion as it is made: each new piece (tokens, text, logprobs) as vLLM has it, then the whole
+        Completion. Its pieces concatenated are the whole one's; closing the stream early aborts it in vLLM."""
+        params, prompt_ids, sampling, adapter = self.chat_request(messages, params)
+        result, shown = None, Generation(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason=None)
+        with refused_by_vllm("messages"):  # its request validation (see `generate`)
+            async for result in self.engine.stream(prompt_ids, sampling, adapter):
+                done = len(shown.token_ids)
+                yield CompletionDelta(
+                    text=result.text[len(shown.text) :],
+                    token_ids=result.token_ids[done:],
+                    logprobs=result.logprobs[done:],
+                    top_logprobs=result.top_logprobs[done:] if params.logprobs else None,
+                    finish_reason=result.finish_reason,
+                )
+                shown = result
+        assert result is not None  # vLLM answers every request at least once
+        yield self.completion(result, params, prompt_ids, adapter)
+
+    def chat_request(self, messages: Any, params: Any) -> tuple[LLMSamplingParams, list[int], Any, LlmAdapter | None]:
+        """(admitted params, prompt ids through the chat template, vLLM SamplingParams, the adapter or None)."""
         params = self.admit(params)
         admitted = admit_messages(messages)
         # Role and content only: what the chat template has always been given.
         prompt_ids = self.encode_chat([{"role": m.role, "content": m.content} for m in admitted])
         adapter = self.engine.adapters.of(params)  # unknown: 404 before any work
-        result = await self.generate(
-            prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), field="messages", adapter=adapter
-        )
+        return params, prompt_ids, self.sampling(params, len(prompt_ids), field="messages"), adapter
+
+    def completion(
+        self, result: Generation, params: LLMSamplingParams, prompt_ids: list[int], adapter: LlmAdapter | None
+    ) -> Completion:
         completion_tokens = len(result.token_ids)
         return Completion(
             text=result.text,

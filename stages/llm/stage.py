@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from ray import serve
 
 from contracts.config import LLMStageConfig
-from contracts.results import Completion, RevisedPrompt, StageDescription
+from contracts.results import Completion, CompletionDelta, RevisedPrompt, StageDescription
 from contracts.sampling import ChatMessage, LLMSamplingParams
 from stages import replica_id
 from stages.metrics import record, record_switch_state, timed_stage_call
@@ -61,6 +61,15 @@ class LLMStage:
         with self._serving(), timed_stage_call("llm", "chat"):
             return tokens_counted("chat", await self.requests.chat(messages, params))
 
+    async def chat_stream(
+        self, messages: list[ChatMessage], params: LLMSamplingParams | Mapping[str, Any] | None = None
+    ) -> AsyncIterator[CompletionDelta | Completion]:
+        """Serve's streaming call (`handle.options(stream=True)`): the completion's pieces, then the whole of it. A
+        caller gone closes this generator, which aborts the request in vLLM."""
+        with self._serving(), timed_stage_call("llm", "chat"):
+            async for item in self.requests.chat_stream(messages, params):
+                yield tokens_counted("chat", item) if isinstance(item, Completion) else item
+
     @contextmanager
     def _serving(self):
         self.in_flight += 1
@@ -72,7 +81,12 @@ class LLMStage:
     async def describe(self) -> StageDescription:
         described = self.engine.describe()
         assert self.engine.scope is not None  # set in __init__, before the replica serves
-        details = {**described.details, "rewrites": asdict(self.requests.stats), "in_flight": self.in_flight}
+        details = {
+            **described.details,
+            "rewrites": asdict(self.requests.stats),
+            "in_flight": self.in_flight,  # calls being answered here
+            "requests_in_engine": self.engine.async_llm.get_num_unfinished_requests(),  # vLLM's own count
+        }
         return described.model_copy(
             update={"replica": replica_id(), "details": details, **self.engine.scope.provenance()}
         )

@@ -201,7 +201,9 @@ BAD_CHAT_REQUESTS = [
     ({**CHAT, "temperature": 3}, "temperature"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"),
     ({**CHAT, "n": 2}, "n"),
-    ({**CHAT, "stream": True}, "stream"),
+    ({**CHAT, "stream": "yes"}, "stream"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),  # streams only
+    ({**CHAT, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "colour": 1}, "colour"),
