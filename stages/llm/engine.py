@@ -29,6 +29,15 @@ if TYPE_CHECKING:
 _NOT_STARTED = "the LLM engine is not started; await start() first"
 
 
+async def finished(outputs: AsyncIterator[Generation]) -> Generation:
+    """A request's last output (`LLMEngine.stream` to its end): the whole of it."""
+    final = None
+    async for output in outputs:
+        final = output
+    assert final is not None  # vLLM answers every request at least once
+    return final
+
+
 def to_generation(final) -> Generation:
     """Plain data from vLLM's final RequestOutput: text, token ids, float logprobs."""
     completion = final.outputs[0]
@@ -209,19 +218,12 @@ class LLMEngine:
 
     # -- generation --
 
-    async def generate(self, prompt_ids: list[int], sampling, adapter: LlmAdapter | None = None) -> Generation:
-        """One request (prompt token ids, vLLM SamplingParams, its LoRA adapter or None) to its end."""
-        final = None
-        async for output in self.stream(prompt_ids, sampling, adapter):
-            final = output
-        assert final is not None  # vLLM answers every request at least once
-        return final
-
     async def stream(
         self, prompt_ids: list[int], sampling, adapter: LlmAdapter | None = None
     ) -> AsyncIterator[Generation]:
-        """The request's output so far, each time vLLM has more (cumulative: every token until now). Closing the
-        iterator early (a client gone) aborts the request in vLLM (its `generate` does on GeneratorExit)."""
+        """One request's (prompt token ids, vLLM SamplingParams, its LoRA adapter or None) output so far, each time vLLM
+        has more (cumulative: every token until now; `finished` for the last). Closing the iterator early (a client
+        gone) aborts the request in vLLM (its `generate` does on GeneratorExit)."""
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)

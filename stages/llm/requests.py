@@ -21,7 +21,7 @@ from contracts.errors import InvalidRequestError
 from contracts.results import Completion, CompletionDelta, Generation, RevisedPrompt, Usage
 from contracts.sampling import LLMSamplingParams, LoraChoice
 
-from .engine import LLMEngine
+from .engine import LLMEngine, finished
 from .lora import LlmAdapter
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -148,7 +148,7 @@ class LLMRequests:
 
     async def generate(self, prompt_ids: list[int], sampling, *, field: str, adapter: LlmAdapter | None = None):
         with refused_by_vllm(field):  # its request validation; a failure while generating stays the server's
-            return await self.engine.generate(prompt_ids, sampling, adapter)
+            return await finished(self.engine.stream(prompt_ids, sampling, adapter))
 
     def enhancement(self, prompt: str, params: LLMSamplingParams) -> tuple[list[int], LLMSamplingParams, Any]:
         """(prompt ids, the params it really runs with, vLLM SamplingParams) of one enhancement."""

@@ -18,6 +18,7 @@ from stages.embedded import EMBEDDED_MODELS, MARKER, embedded_models
 from stages.embedded import llm as embedded
 from stages.kernels import vllm_cpu
 from stages.llm import INVARIANT_CPU_ENGINE_ARGS, LLMEngine, ModelChoice, engine_settings, resolve_model
+from stages.llm.engine import finished
 from stages.llm.requests import DEFAULT_SYSTEM_PROMPT, FreeRewrite, LLMRequests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -336,7 +337,7 @@ def test_llm_cpu_engine_switched_on_by_vllms_global_variable_serves_with_our_ker
     async def served():
         await engine.start()  # checks that every worker installed our kernels
         try:
-            return await engine.generate([1, 5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, seed=1))
+            return await finished(engine.stream([1, 5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, seed=1)))
         finally:
             engine.shutdown()
 
