@@ -59,6 +59,7 @@ from contracts.http import (
     ImageGenerationRequest,
     ImagesResponse,
     LoraList,
+    ModelCard,
     ModelList,
     decode_json,
 )
@@ -300,6 +301,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     @api.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models():
         return await respond(ingress.models())
+
+    @api.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
+    async def model(model: str):
+        return await respond(ingress.model(model))
 
     @api.get("/v1/loras", response_model=LoraList, responses=ERRORS)
     async def loras():

@@ -85,7 +85,9 @@ def http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, HTTPException):
         # Routing errors from FastAPI itself: unknown path (404), wrong method (405).
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return HTTPError(exc.status_code, kind, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        code = "not_found" if exc.status_code == 404 else None
+        # Its headers kept: a 405 names the methods the route takes (`Allow`), as RFC 9110 requires.
+        return HTTPError(exc.status_code, kind, str(exc.detail), code=code, headers=dict(exc.headers or {}))
     if isinstance(exc, TimeoutError):
         return HTTPError(504, "timeout", "the request did not finish within the server's time limit", code="timeout")
     if isinstance(

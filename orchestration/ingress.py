@@ -134,6 +134,13 @@ class Ingress:
             data=[ModelCard(id=await self.served_model(stage), created=created, stage=stage) for stage in STAGES]
         )
 
+    async def model(self, model: str) -> ModelCard:
+        """One served model by its id (`GET /v1/models/{id}`, OpenAI's retrieve); another: 404 naming `model`."""
+        for card in (await self.models()).data:
+            if card.id == model:
+                return card
+        raise ModelNotFoundError(f"model {model!r} is not served here", param="model", code="model_not_found")
+
     async def loras(self) -> LoraList:
         """The LoRA adapters a diffusion replica can load (replicas of one deployment share its adapters directory)."""
         names = (await self.probe.describe("diffusion")).details.get("loras", [])

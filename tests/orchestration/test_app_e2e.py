@@ -332,7 +332,18 @@ def test_openapi_documents_request_and_response_schemas(http):
 
 def test_unknown_route_and_wrong_method_are_4xx_in_the_openai_shape(http):
     assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"
-    assert http.get("/v1/images/generations").status_code == 405
+    wrong = http.get("/v1/images/generations")
+    assert wrong.status_code == 405 and wrong.headers["Allow"] == "POST" and wrong.json()["error"]["message"]
+
+
+def test_a_model_is_retrieved_by_its_id_as_openai_does_and_another_id_is_a_404_naming_model(http):
+    for card in http.get("/v1/models").json()["data"]:
+        assert http.get(f"/v1/models/{card['id']}").json() == card  # ids with a slash included
+    missing = http.get("/v1/models/nowhere/model")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve("omniserve/tiny-shapes-sd").stage == "diffusion"
 
 
 def test_loras_lists_the_default_models_own_adapter_and_a_bad_adapter_request_is_a_4xx_naming_lora(http):

@@ -75,7 +75,8 @@ def test_serve_back_pressure_is_503_with_retry_after():
 
 def test_routing_errors_keep_their_status_in_the_openai_shape():
     assert http_error(HTTPException(404, "Not Found")).status == 404
-    assert http_error(HTTPException(405, "Method Not Allowed")).status == 405
+    refused = http_error(HTTPException(405, "Method Not Allowed", headers={"Allow": "POST"}))
+    assert refused.status == 405 and refused.headers == {"Allow": "POST"}
 
 
 def test_server_failures_are_5xx_without_details():
