@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from contracts.provenance import ImageRecord, ProvenanceError, StageRecord, differences, read_record
+from contracts.sampling import image_fields
 
 #: Seconds a request may take (a cold app builds its models on the first request).
 TIMEOUT_S = 600.0
@@ -132,17 +133,10 @@ def reproduction(record: ImageRecord) -> dict:
         "num_inference_steps": p.num_inference_steps,
         "guidance_scale": p.guidance_scale,
     }
-    extra = {
-        "negative_prompt": p.negative_prompt,
-        "scheduler": p.scheduler,
-        "sigmas": p.sigmas,
-        "generator_device": p.generator_device,
-        "true_cfg_scale": p.true_cfg_scale,
-        # Each adapter with the sha256 of the weights that rendered it: a replica whose file differs refuses (400).
-        "lora": [choice.model_dump() for choice in p.lora] if p.lora else None,
-        "cache": p.cache.model_dump(exclude_none=True) if p.cache else None,  # step caching, as it ran
-    }
-    return body | {k: v for k, v in extra.items() if v is not None}
+    # Every other sampling field a request may send, as it ran (the Served markers say which): adapters with the
+    # sha256 of the weights that rendered them (a replica whose file differs refuses, 400), step caching, ...
+    fields = set(image_fields(request="all")) - set(body)
+    return body | p.model_dump(mode="json", include=fields, exclude_none=True)
 
 
 def server_differences(record: ImageRecord, health: dict) -> list[str]:

@@ -9,6 +9,8 @@ from typing import Any, cast
 
 from contracts.sampling import DiffusionSamplingParams
 
+from .step_cache import CachedSteps
+
 #: Where a sample's noise is drawn when its request names no device: the CPU's generator, so one seed gives one noise
 #: whatever accelerator renders it.
 DEFAULT_GENERATOR_DEVICE = "cpu"
@@ -55,7 +57,7 @@ class Sample:
     skipped: int = 0
     # Step caching (stages.diffusion.engine.step_cache), None: every step computed; and the steps whose denoiser call
     # held its rows.
-    cache: Any = None
+    cache: CachedSteps | None = None
     steps_computed: int = 0
 
     @property
