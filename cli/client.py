@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from contracts.provenance import ImageRecord, ProvenanceError, StageRecord, differences, read_record
+from contracts.encoding import OUTPUT_KEY, ImageOutput
+from contracts.provenance import ImageRecord, ProvenanceError, StageRecord, differences, read_chunks, read_record
 from contracts.sampling import image_fields
 
 #: Seconds a request may take (a cold app builds its models on the first request).
@@ -153,10 +154,11 @@ def server_differences(record: ImageRecord, health: dict) -> list[str]:
 
 def verify_one(url: str, path: Path, health: dict) -> str | None:
     """None when the server renders `path` again to the same sha256; else why not, in a sentence."""
-    png = path.read_bytes()
+    png = path.read_bytes()  # or the JPEG or WebP it was delivered as: asked for again in its format
     try:
         record = read_record(png)
-    except ProvenanceError as err:
+        output = ImageOutput.parse(read_chunks(png)[0].get(OUTPUT_KEY, "png"))
+    except (ProvenanceError, ValueError) as err:
         return str(err)
     if record.latents_sha256 or record.image_sha256:
         what = "initial latents" if record.latents_sha256 else "input image (an edit)"
@@ -164,7 +166,7 @@ def verify_one(url: str, path: Path, health: dict) -> str | None:
     mismatch = server_differences(record, health)
     if mismatch:
         return "the server is not configured as the one that rendered it (nothing rendered): " + "; ".join(mismatch)
-    item = post_json(url, "/v1/images/generations", reproduction(record))["data"][0]
+    item = post_json(url, "/v1/images/generations", reproduction(record) | output.request_fields())["data"][0]
     if item["sha256"] == hashlib.sha256(png).hexdigest():
         return None
     again = read_record(base64.b64decode(item["b64_json"]))

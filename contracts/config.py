@@ -198,6 +198,10 @@ class IngressConfig(DeploymentConfig):
     # and verified are kept, and a repeated request is then answered from it byte for
     # byte (`cache: "hit"`). examples/omni_app turns it on; off here, so an app built without it runs every request.
     result_cache_mib: Annotated[int, Field(ge=0)] = 0
+    # `response_format: "url"`: the files its links serve (orchestration/image_store.py, one replica for the app),
+    # each for `image_url_ttl_s` seconds (OpenAI's links last 60 minutes), the oldest dropped first past the bound.
+    image_url_store_mib: Annotated[int, Field(ge=1)] = 64
+    image_url_ttl_s: Annotated[float, Field(gt=0)] = 3600.0
 
 
 #: The rewrite cache's default bound, in entries (each one rewrite: its text, token ids and logprobs, ~2 KB).

@@ -42,10 +42,14 @@ class InvalidRequestError(OmniError, ValueError):
     error_type = "invalid_request_error"
 
 
-class ModelNotFoundError(InvalidRequestError):
-    """A request names a model this server does not serve (404, as OpenAI answers)."""
+class NotFoundError(InvalidRequestError):
+    """A request names something this server does not have (404, as OpenAI answers): a model, a stored image."""
 
     status_code = 404
+
+
+class ModelNotFoundError(NotFoundError):
+    """A request names a model this server does not serve."""
 
 
 class PayloadTooLargeError(InvalidRequestError):

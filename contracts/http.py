@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictStr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -30,6 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .encoding import DEFAULT_COMPRESSION, Compression, ImageOutput, OutputFormat
 from .errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError, invalid_request
 from .images import MAX_IMAGE_BYTES
 from .results import Usage
@@ -52,6 +54,7 @@ from .sampling import (
     PartialImages,
     Penalty,
     Prompt,
+    Quality,
     RepetitionPenalty,
     StopList,
     StopText,
@@ -65,6 +68,8 @@ from .seeds import Seed
 
 MAX_IMAGES = 8
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits only (`\d` would take any script's digits)
+#: What a request's `size` may look like (the sides' bounds are checked by `parse_size`).
+SIZE_PATTERN = r"^([0-9]{1,5}x[0-9]{1,5}|auto)$"
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -79,6 +84,11 @@ def parse_size(size: str) -> tuple[int, int]:
                 f"size {size!r}: width and height must be multiples of {SIDE_MULTIPLE} in [{MIN_SIDE}, {MAX_SIDE}]"
             )
     return width, height
+
+
+def requested_size(size: str | None) -> tuple[int, int] | tuple[None, None]:
+    """A request's `size` as (width, height); (None, None) for none or "auto": the model's default."""
+    return (None, None) if size in (None, "auto") else parse_size(size)
 
 
 class _Request(BaseModel):
@@ -129,20 +139,24 @@ def _present(**fields: Any) -> dict[str, Any]:
 
 
 class _OpenAIImageRequest(_Request):
-    """OpenAI's fields of an image request (generations and edits)."""
+    """OpenAI's fields of an image request (generations and edits); `quality` is a sampling field (contracts.sampling)."""
 
     UNSUPPORTED = {
-        name: "this server's images are PNGs rendered by the configured diffusion model"
-        for name in ("quality", "style", "background", "moderation", "output_compression")
+        "style": "DALL-E 3's styles are not served; describe the look in the prompt",
+        "background": "images are rendered opaque; transparent backgrounds are not served",
+        "moderation": "this server has no moderation levels",
     }
     WHOLE = ""  # streamed as OpenAI streams images (server-sent events, `orchestration.api`)
 
     prompt: Prompt
     model: Name | None = None
     n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] | None = None
-    size: Name | None = None
-    response_format: Name | None = None
-    output_format: Name | None = None
+    # "<width>x<height>" (multiples of 8 within the server's pixel limit) or "auto": the model's default size.
+    size: Annotated[StrictStr, Field(pattern=SIZE_PATTERN)] | None = None
+    # "url": a link to the app's image store (GET /v1/images/{id}), kept the ingress's `image_url_ttl_s` seconds.
+    response_format: Literal["b64_json", "url"] | None = None
+    output_format: OutputFormat | None = None
+    output_compression: Compression | None = None  # jpeg and webp only: the encoder's quality (100: least loss)
     stream: StrictBool | None = None
     partial_images: PartialImages | None = None  # with stream=true only
     user: Name | None = None  # OpenAI's end-user tag: accepted, not used
@@ -152,30 +166,36 @@ class _OpenAIImageRequest(_Request):
     def _size_is_w_x_h(cls, size: str | None) -> str | None:
         if size is not None:
             try:
-                parse_size(size)
+                requested_size(size)
             except ValueError as err:
                 raise PydanticCustomError("invalid_size", str(err)) from None
         return size
 
     _partials_need_stream = _needs("partial_images", "stream", ": partial images are streamed")
 
-    @field_validator("response_format")
+    @field_validator("output_compression")
     @classmethod
-    def _b64_only(cls, value: str | None) -> str | None:
-        if value not in (None, "b64_json"):
-            if value == "url":
-                raise PydanticCustomError(
-                    "unsupported_value", "response_format 'url' is not supported: images come inline; use 'b64_json'"
-                )
-            raise PydanticCustomError("invalid_value", "response_format must be 'b64_json'")
+    def _lossy_only(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("output_format") not in ("jpeg", "webp"):
+            raise PydanticCustomError(
+                "invalid_value", "output_compression needs output_format 'jpeg' or 'webp' (PNG is lossless)"
+            )
         return value
 
-    @field_validator("output_format")
+    @field_validator("stream")
     @classmethod
-    def _png_only(cls, value: str | None) -> str | None:
-        if value not in (None, "png"):
-            raise PydanticCustomError("unsupported_value", "output_format must be 'png': this server encodes PNG")
+    def _streams_inline(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("response_format") == "url":
+            raise PydanticCustomError(
+                "invalid_value", "stream=true sends each image in its event: leave response_format out or 'b64_json'"
+            )
         return value
+
+    @property
+    def output(self) -> ImageOutput:
+        fmt = self.output_format or "png"
+        compression = DEFAULT_COMPRESSION if self.output_compression is None else self.output_compression
+        return ImageOutput(fmt, None if fmt == "png" else compression)
 
 
 class ImageGenerationRequest(
@@ -190,6 +210,15 @@ class ImageGenerationRequest(
 
     enhance_prompt: StrictBool = True
 
+    @field_validator("quality", check_fields=False)
+    @classmethod
+    def _quality_or_steps(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("num_inference_steps") is not None:
+            raise PydanticCustomError(
+                "invalid_value", "give quality or num_inference_steps, not both: a quality stands for a step count"
+            )
+        return value
+
     @property
     def count(self) -> int:
         return self.n or 1
@@ -197,7 +226,7 @@ class ImageGenerationRequest(
     def diffusion_params(self, seed: int | None) -> DiffusionSamplingParams:
         """The sampling params of one image: every sampling field this request has, its size as height and width,
         and `seed`; `None` fields are the stage's configured defaults."""
-        width, height = parse_size(self.size) if self.size else (None, None)
+        width, height = requested_size(self.size)
         given = {name: getattr(self, name) for name in image_fields() if name in type(self).model_fields}
         return DiffusionSamplingParams.model_validate(
             _present(**{**given, "seed": seed, "height": height, "width": width})
@@ -355,11 +384,17 @@ class StageInvariance(BaseModel):
     scope_differences: list[str] = []
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class ImageData(BaseModel):
-    b64_json: str
+    # The file inline, or (`response_format: "url"`) a link to it: one of the two, the other left out.
+    b64_json: str | None = Field(default=None, exclude_if=_absent)
+    url: str | None = Field(default=None, exclude_if=_absent)
     revised_prompt: str
     seed: int  # s_i: a request with n=1 and this seed reproduces this image bit for bit
-    sha256: str  # of the PNG bytes
+    sha256: str  # of the file's bytes (the PNG, or the JPEG or WebP it was delivered as)
     # Extensions for observability: which diffusion replica rendered it, the most samples that shared one of its
     # denoiser calls, how many of its steps were shared, and how many ran the denoiser (step caching skips some).
     replica: str | None = None
@@ -376,7 +411,8 @@ class ImagesResponse(BaseModel):
     data: list[ImageData]
     model: str
     size: str
-    output_format: Literal["png"] = "png"
+    quality: Quality = "auto"
+    output_format: OutputFormat = "png"
     invariance: dict[str, StageInvariance]
 
 
@@ -387,9 +423,9 @@ class _ImageEvent(BaseModel):
     b64_json: str
     created_at: int
     size: str  # "<width>x<height>"
-    quality: Literal["auto"] = "auto"
+    quality: Quality = "auto"
     background: Literal["opaque"] = "opaque"
-    output_format: Literal["png"] = "png"
+    output_format: OutputFormat = "png"
     # Extension: which of the request's n images the event is of (OpenAI's events have none: they stream n=1).
     image_index: int = 0
 

@@ -186,22 +186,27 @@ def png_info(record: ImageRecord | None):
     return info
 
 
-def read_chunks(png: bytes) -> tuple[dict[str, str], tuple[int, int]]:
-    """The text chunks of a PNG and its (width, height); ProvenanceError when it is no PNG."""
+def read_chunks(file: bytes) -> tuple[dict[str, str], tuple[int, int]]:
+    """The provenance texts of an image file and its (width, height): a PNG's text chunks, or the XMP elements of a
+    JPEG or WebP the ingress transcoded (`contracts.encoding`); ProvenanceError when it is none of those."""
     from PIL import Image, UnidentifiedImageError
 
+    from .encoding import read_xmp
+
     try:
-        with Image.open(io.BytesIO(png)) as picture:
-            if picture.format != "PNG":
-                raise ProvenanceError(f"not a PNG but {picture.format}")
-            chunks = cast("PngImageFile", picture).text  # only PIL's PNG plugin opens a PNG
-            return {key: str(value) for key, value in chunks.items()}, picture.size
+        with Image.open(io.BytesIO(file)) as picture:
+            if picture.format == "PNG":
+                chunks = cast("PngImageFile", picture).text  # only PIL's PNG plugin opens a PNG
+                return {key: str(value) for key, value in chunks.items()}, picture.size
+            if picture.format in ("JPEG", "WEBP"):
+                return read_xmp(picture.info.get("xmp", b"")), picture.size
+            raise ProvenanceError(f"not a PNG, JPEG or WebP but {picture.format}")
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as err:
-        raise ProvenanceError(f"not a readable PNG: {err}") from None
+        raise ProvenanceError(f"not a readable image: {err}") from None
 
 
 def read_record(png: bytes) -> ImageRecord:
-    """The record in a PNG, checked against the file's other chunks and its size; ProvenanceError says what is wrong."""
+    """The record in an image file (a PNG, or a JPEG or WebP of ours), checked against the file's other chunks and its size; ProvenanceError says what is wrong."""
     chunks, (width, height) = read_chunks(png)
     if RECORD_CHUNK not in chunks:
         raise ProvenanceError(f"no {RECORD_CHUNK!r} chunk: not an omniserve image, or its provenance was removed")

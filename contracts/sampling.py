@@ -111,6 +111,18 @@ Strength = Annotated[Finite, Field(gt=0.0, le=1.0)]
 #: An edit's strength when the request gives none (OpenAI's and diffusers' img2img default).
 DEFAULT_STRENGTH = 0.8
 
+#: OpenAI's `quality` of an image, as a share of the model's default steps (the deployment's `defaults`, else the
+#: model's own): "auto" and "high" (DALL-E 3's "hd") the default itself, "medium" (DALL-E's "standard") half, "low" a
+#: quarter, at least one step. A request gives a quality or `num_inference_steps`, not both.
+Quality = Literal["low", "medium", "high", "auto", "standard", "hd"]
+QUALITY_SHARES: dict[str, float] = {"low": 0.25, "medium": 0.5, "standard": 0.5, "high": 1.0, "hd": 1.0, "auto": 1.0}
+
+
+def quality_steps(quality: str, default_steps: int) -> int:
+    """The steps `quality` stands for, for a model whose default is `default_steps`."""
+    return max(1, round(default_steps * QUALITY_SHARES[quality]))
+
+
 #: LoRA adapters one request may compose (applied in the order given), and the bounds of a scale.
 MAX_LORAS = 4
 LoraName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -277,6 +289,17 @@ class DiffusionSamplingParams(Contract):
     # Step caching (step engine only): a sample's denoiser calls skipped while its input barely changes; None: the
     # deployment's default (none unless configured).
     cache: Annotated[StepCache | None, Served(default=True)] = None
+    # OpenAI's quality, a share of the model's default steps (QUALITY_SHARES); resolved into num_inference_steps by
+    # the stage, so a rendered image records its steps, not its quality.
+    quality: Annotated[Quality | None, Served()] = None
+
+    @model_validator(mode="after")
+    def _quality_or_steps(self) -> Self:
+        if self.quality is not None and self.num_inference_steps is not None:
+            raise PydanticCustomError(
+                "quality_and_steps", "give quality or num_inference_steps, not both (a quality stands for steps)"
+            )
+        return self
 
 
 def image_fields(model: type[BaseModel] = DiffusionSamplingParams, **where: Any) -> dict[str, FieldInfo]:

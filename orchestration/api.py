@@ -47,6 +47,7 @@ from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from contracts.encoding import MEDIA_TYPES
 from contracts.errors import InvalidRequestError
 from contracts.http import (
     BODY_RULES,
@@ -95,6 +96,14 @@ STREAMED: dict[int | str, dict[str, Any]] = {
         "description": "the images; with `stream: true`, server-sent events: `<kind>.partial_image` events, then one "
         "`<kind>.completed` per image (kind `image_generation` or `image_edit`)",
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+IMAGE_FILE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the file, as the request that linked to it asked (its sha256 is the one that response gave)",
+        "content": {media: {"schema": {"type": "string", "format": "binary"}} for media in MEDIA_TYPES.values()},
     }
 }
 
@@ -191,24 +200,34 @@ async def read_edit(request: Request) -> ImageEditRequest:
 
 async def edit_images(ingress: Ingress, request: Request, timeout_s: float) -> JSONResponse | StreamingResponse:
     """OpenAI's image edits (image-to-image): the generation path, from the image of a multipart form."""
-    return await images_or_events(ingress, await read_edit(request), timeout_s)
+    return await images_or_events(ingress, await read_edit(request), timeout_s, str(request.base_url))
 
 
 async def images_or_events(
-    ingress: Ingress, request: ImageGenerationRequest, timeout_s: float
+    ingress: Ingress, request: ImageGenerationRequest, timeout_s: float, base_url: str
 ) -> JSONResponse | StreamingResponse:
-    """The response writer of every image route: the images whole, or (`stream: true`) as server-sent events, from
-    one admitted plan and its items (`Ingress.images`)."""
+    """The response writer of every image route: the images whole (inline, or as links under `base_url` to the image
+    store), or (`stream: true`) as server-sent events, from one admitted plan and its items (`Ingress.images`)."""
     plan, items = await ingress.images(request)
     if not request.stream:
         done = await results(plan, items)
-        whole = images_response(plan, done, ingress.config.switches)
+        links = None
+        if request.response_format == "url":
+            links = [f"{base_url}v1/images/{image_id}" for image_id in await ingress.keep_files(done)]
+        whole = images_response(plan, done, ingress.config.switches, links)
         return JSONResponse(jsonable_encoder(whole), headers=http_caching(done))
     kind = STREAM_EVENT_KINDS["edit" if isinstance(request, ImageEditRequest) else "generation"]
-    events = (image_event(kind, index, item) async for index, item in items)
+    events = (image_event(plan, kind, index, item) async for index, item in items)
     return StreamingResponse(
         server_sent(events, timeout_s), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
+
+
+async def stored_image(ingress: Ingress, image_id: str) -> Response:
+    """A file a request with `response_format: "url"` linked to, while the image store keeps it (cacheable as long)."""
+    file, left_s = await ingress.file(image_id)
+    headers = {"ETag": f'"{file.sha256}"', "Cache-Control": f"private, max-age={max(0, int(left_s))}"}
+    return Response(file.data, media_type=file.media_type, headers=headers)
 
 
 def _frame(event: str, data: str) -> str:
@@ -285,8 +304,12 @@ def build_api(ingress: Ingress) -> FastAPI:
     _answer_every_request_alike(api, ingress.switch_headers)
 
     @api.post("/v1/images/generations", response_model=ImagesResponse, responses={**ERRORS, **STREAMED})
-    async def images_generations(body: ImageGenerationRequest):
-        return await respond(images_or_events(ingress, body, timeout_s))
+    async def images_generations(body: ImageGenerationRequest, request: Request):
+        return await respond(images_or_events(ingress, body, timeout_s, str(request.base_url)))
+
+    @api.get("/v1/images/{image_id}", responses={**ERRORS, **IMAGE_FILE})
+    async def image_file(image_id: str):
+        return await respond(stored_image(ingress, image_id))
 
     @api.post(
         "/v1/images/edits", response_model=ImagesResponse, responses={**ERRORS, **STREAMED}, openapi_extra=EDIT_BODY

@@ -1,6 +1,7 @@
 """`build_app(config)`: the Serve application, read like the data path in DESIGN.md.
 
     client -> Ingress -> LLMStage.enhance (seed s_i) -> DiffusionStage.generate (seed s_i) -> client
+                     -> ImageStore (the files `response_format: "url"` links to)
 
 Each deployment gets its typed config whole, Serve's options included. Both batch-invariance switches are
 resolved here, once, in the process that builds the app (`AppConfig.with_resolved_switches`).
@@ -18,6 +19,7 @@ from stages.diffusion import DiffusionStage
 from stages.llm import LLMStage
 
 from .config import DEPLOYMENT_NAMES, AppConfig
+from .image_store import ImageStore
 from .ingress import Ingress
 
 
@@ -36,10 +38,11 @@ def build_app(config: AppConfig | Mapping[str, Any] | None = None) -> serve.Appl
         .options(name=DEPLOYMENT_NAMES["diffusion"], **config.diffusion.deployment_options())
         .bind(config.diffusion)
     )
+    files = cast(Deployment, ImageStore).bind(config.ingress.image_url_store_mib << 20, config.ingress.image_url_ttl_s)
     return (
         cast(Deployment, Ingress)
         .options(name=DEPLOYMENT_NAMES["ingress"], **config.ingress.deployment_options())
-        .bind(llm, diffusion, config)
+        .bind(llm, diffusion, config, files)
     )
 
 

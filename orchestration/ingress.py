@@ -4,6 +4,7 @@
                                   (`stream: true`: server-sent events, previews then each image; `orchestration.api`)
     POST /v1/images/edits         the same, from an image (multipart): admit it -> ... the job carries the image
     POST /v1/chat/completions     the LLM stage alone
+    GET  /v1/images/{id}          a file a request with `response_format: "url"` linked to (the ImageStore's)
     GET  /v1/models               the served models, OpenAI's list format
     GET  /v1/loras                the LoRA adapters a request's `lora` may name (an extension)
     GET  /health                  each stage running/degraded/down and why, switches, kernels, replica counts
@@ -14,6 +15,7 @@ replica by `__serve_build_asgi_app__` so that it can carry this replica's config
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
@@ -21,7 +23,8 @@ from typing import Any, cast
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from contracts.errors import ModelNotFoundError
+from contracts.encoding import ImageFile
+from contracts.errors import ModelNotFoundError, NotFoundError
 from contracts.http import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -38,7 +41,7 @@ from contracts.results import Completion
 
 from .config import AppConfig
 from .health import HealthProbe, HealthResponse
-from .pipeline import ImagePipeline, ImagePlan, RewriteCache, admit_chat, admit_edit, admit_images
+from .pipeline import ImagePipeline, ImagePlan, ImageResult, RewriteCache, admit_chat, admit_edit, admit_images
 from .responses import chat_chunks, chat_response
 from .result_cache import ResultCache, chat_key, exact
 from .retries import Retrying
@@ -49,8 +52,9 @@ from .retries import Retrying
 class Ingress:
     """Admission, fan-out to the stages, response assembly. `config` arrives with both switches resolved."""
 
-    def __init__(self, llm: DeploymentHandle, diffusion: DeploymentHandle, config: AppConfig):
+    def __init__(self, llm: DeploymentHandle, diffusion: DeploymentHandle, config: AppConfig, files: DeploymentHandle):
         self.config = config
+        self.files = files
         self.handles: dict[Stage, DeploymentHandle] = {"llm": llm, "diffusion": diffusion}
         self.retrying = Retrying(config.ingress.retry_attempts, config.ingress.retry_backoff_s)
         self.pipeline = ImagePipeline(
@@ -85,6 +89,22 @@ class Ingress:
             if isinstance(request, ImageEditRequest)
             else admit_images(request, self.config)
         )
+
+    async def keep_files(self, done: list[ImageResult]) -> list[str]:
+        """Each image's file into the image store (`response_format: "url"`): their ids, in order."""
+        return list(await asyncio.gather(*(self.files.put.remote(r.delivered) for r in done)))
+
+    async def file(self, image_id: str) -> tuple[ImageFile, float]:
+        """A stored file and the seconds it has left (`GET /v1/images/{id}`); gone or never there: 404."""
+        kept = await self.files.get.remote(image_id)
+        if kept is None:
+            raise NotFoundError(
+                f"no image {image_id!r}: its link expired (links last {self.config.ingress.image_url_ttl_s:g} s), "
+                "was dropped for newer ones, or never existed",
+                param="image_id",
+                code="image_not_found",
+            )
+        return kept
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         if request.model is not None:

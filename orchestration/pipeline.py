@@ -30,7 +30,8 @@ from typing import Any, cast
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from contracts.admission import admit_diffusion_params, admit_llm_params
-from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerationRequest, parse_size
+from contracts.encoding import ImageFile, ImageOutput, deliver
+from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerationRequest, requested_size
 from contracts.images import admit_image, edit_size
 from contracts.jobs import RenderJob
 from contracts.provenance import ImageOrigin
@@ -55,6 +56,7 @@ class ImagePlan:
     diffusion_params: list[DiffusionSamplingParams]  # per image
     image: bytes | None = None  # an edit's image (None: a generation)
     partial_images: int = 0  # previews per image before it (a streamed request's; 0: the image alone)
+    output: ImageOutput = ImageOutput()  # the file each image is delivered as (`contracts.encoding`)
 
     @property
     def images(self) -> list[tuple[LLMSamplingParams | None, DiffusionSamplingParams]]:
@@ -69,6 +71,11 @@ class ImageResult:
     image: RenderedImage
     rewrite: RevisedPrompt | None  # None when enhancement was skipped
     cache: str | None = None  # the ingress's result cache: "hit", "miss"; None: no cache
+    file: ImageFile | None = None  # the file delivered (`contracts.encoding`); None: the stage's PNG itself
+
+    @property
+    def delivered(self) -> ImageFile:
+        return self.file or ImageFile("png", self.image.png, self.image.sha256)
 
 
 def admit_images(request: ImageGenerationRequest, config: AppConfig) -> ImagePlan:
@@ -86,13 +93,14 @@ def admit_images(request: ImageGenerationRequest, config: AppConfig) -> ImagePla
         llm_params=[config.llm.enhance_params(s) for s in seeds] if request.enhance_prompt else [],
         diffusion_params=[request.diffusion_params(s) for s in seeds],
         partial_images=(request.partial_images or 0) if request.stream else 0,
+        output=request.output,
     )
 
 
 def admit_edit(request: ImageEditRequest, config: AppConfig) -> ImagePlan:
     """An edit's plan: its image admitted, rendered at the image's size (a requested size must be it), then as above."""
     picture = admit_image(request.image)
-    width, height = edit_size(picture, *(parse_size(request.size) if request.size else (None, None)))
+    width, height = edit_size(picture, *requested_size(request.size))
     plan = admit_images(request.model_copy(update={"size": f"{width}x{height}"}), config)
     return replace(plan, image=request.image)
 
@@ -200,7 +208,7 @@ class ImagePipeline:
         by the result cache from an earlier request, its ImageResult at once."""
         key = image_key(plan.prompt, llm_params, params, plan.image)
         if kept := self.kept.get(key):
-            yield replace(kept, cache="hit")
+            yield await delivered(replace(kept, cache="hit"), plan.output)
             return
         cache = "miss" if self.kept.max_bytes else None
         rewrite, origin = await self.origin(plan.prompt, llm_params)
@@ -219,7 +227,7 @@ class ImagePipeline:
                 result = ImageResult(revised_prompt=prompt, image=item, rewrite=rewrite, cache=cache)
                 exact = is_exact(item) and is_exact(rewrite)
                 self.kept.put(key, result, made_by=item, size=len(item.png), exact=exact)
-                yield result
+                yield await delivered(result, plan.output)
 
     async def items(self, plan: ImagePlan) -> AsyncIterator[tuple[int, PartialImage | ImageResult]]:
         """(image index, preview or result) as they come, the n images rendered concurrently; the first failure
@@ -247,6 +255,14 @@ async def results(plan: ImagePlan, items: AsyncIterator[tuple[int, PartialImage 
         if isinstance(item, ImageResult):
             done[index] = item
     return [done[index] for index in range(len(plan.diffusion_params))]
+
+
+async def delivered(result: ImageResult, output: ImageOutput) -> ImageResult:
+    """The result with its file as `output` asks (transcoding off the event loop); the kept result stays the PNG, so
+    one render serves every format."""
+    if output.format == "png":
+        return result
+    return replace(result, file=await asyncio.to_thread(deliver, result.image.png, output))
 
 
 async def gather_or_cancel(coroutines: list) -> list[Any]:

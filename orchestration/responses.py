@@ -37,12 +37,14 @@ def _b64(png: bytes) -> str:
     return base64.b64encode(png).decode("ascii")
 
 
-def image_data(r: ImageResult) -> ImageData:
+def image_data(r: ImageResult, url: str | None = None) -> ImageData:
+    """An image of a response: inline (b64_json), or `url` where the request asked for a link."""
     return ImageData(
-        b64_json=_b64(r.image.png),
+        b64_json=None if url else _b64(r.delivered.data),
+        url=url,
         revised_prompt=r.revised_prompt,
         seed=r.image.seed,
-        sha256=r.image.sha256,
+        sha256=r.delivered.sha256,
         replica=r.image.replica,
         batch_size=r.image.batch_size,
         steps_co_batched=r.image.steps_co_batched,
@@ -51,11 +53,20 @@ def image_data(r: ImageResult) -> ImageData:
     )
 
 
-def image_event(kind: str, index: int, item: PartialImage | ImageResult) -> ImagePartialEvent | ImageCompletedEvent:
-    """One server-sent event of a streamed request (`kind`: "image_generation" or "image_edit") for image `index`."""
+def delivery(plan: ImagePlan) -> dict[str, str]:
+    """What a response echoes of how its images were asked for: their quality (as asked) and format."""
+    return {"quality": plan.diffusion_params[0].quality or "auto", "output_format": plan.output.format}
+
+
+def image_event(
+    plan: ImagePlan, kind: str, index: int, item: PartialImage | ImageResult
+) -> ImagePartialEvent | ImageCompletedEvent:
+    """One server-sent event of a streamed request (`kind`: "image_generation" or "image_edit") for image `index`.
+    Previews are PNGs whatever the request's format (`output_format` says so); each image is its delivered file."""
     if isinstance(item, PartialImage):
         return ImagePartialEvent(
             type=f"{kind}.partial_image",
+            quality=delivery(plan)["quality"],
             b64_json=_b64(item.png),
             created_at=int(time.time()),
             size=f"{item.width}x{item.height}",
@@ -75,6 +86,7 @@ def image_event(kind: str, index: int, item: PartialImage | ImageResult) -> Imag
         size=f"{item.image.width}x{item.image.height}",
         image_index=index,
         usage=usage,
+        **delivery(plan),
         **image_data(item).model_dump(),
     )
 
@@ -97,17 +109,21 @@ def http_caching(results: list[ImageResult]) -> dict[str, str]:
     (their sha256s) and a year's freshness, since the same request can only ever get these bytes; else no-store."""
     if not all(exact(r.image) and exact(r.rewrite) for r in results):
         return {"Cache-Control": "no-store"}
-    tag = hashlib.sha256(" ".join(r.image.sha256 for r in results).encode()).hexdigest()
+    tag = hashlib.sha256(" ".join(r.delivered.sha256 for r in results).encode()).hexdigest()
     return {"ETag": f'"{tag}"', "Cache-Control": "public, max-age=31536000, immutable"}
 
 
-def images_response(plan: ImagePlan, results: list[ImageResult], switches: Switches) -> ImagesResponse:
+def images_response(
+    plan: ImagePlan, results: list[ImageResult], switches: Switches, links: list[str] | None = None
+) -> ImagesResponse:
+    """The images whole: inline, or as `links` (one per image, in order) where the request asked for URLs."""
     first = results[0]
     return ImagesResponse(
         created=int(time.time()),
-        data=[image_data(r) for r in results],
+        data=[image_data(r, links[i] if links else None) for i, r in enumerate(results)],
         model=first.image.model,
         size=f"{first.image.width}x{first.image.height}",
+        **delivery(plan),
         invariance={
             "llm": StageInvariance(
                 batch_invariant=switches.llm,

@@ -20,7 +20,7 @@ from typing import Any, cast
 from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.provenance import ImageOrigin, ImageRecord, png_info
-from contracts.sampling import DiffusionSamplingParams, LoraChoice, batch_parts
+from contracts.sampling import DiffusionSamplingParams, LoraChoice, batch_parts, quality_steps
 from contracts.seeds import seed_or_picked
 from stages.diffusion.engine import family_for
 from stages.diffusion.engine.families import Family, vae_slicing
@@ -271,6 +271,11 @@ class DiffusionRenderer:
         A scheduler other than the model's own is chosen per sample by the step engine only.
         """
         filled = {k: v for k, v in self.defaults.items() if getattr(params, k) is None}
+        if params.quality is not None:  # rendered and recorded as the steps it stands for
+            filled |= {
+                "quality": None,
+                "num_inference_steps": quality_steps(params.quality, self.defaults["num_inference_steps"]),
+            }
         if params.seed is None:
             filled["seed"] = seed_or_picked(params.seed)
         resolved = params.model_copy(update=filled) if filled else params

@@ -6,6 +6,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from contracts.encoding import ImageOutput
 from contracts.errors import (
     InvalidRequestError,
     ModelNotFoundError,
@@ -34,6 +35,7 @@ from contracts.sampling import (
     MAX_TOKENS,
     MAX_TOP_K,
     DiffusionSamplingParams,
+    quality_steps,
 )
 from contracts.seeds import MAX_SEED, MIN_SEED
 
@@ -93,15 +95,24 @@ BAD_IMAGE_REQUESTS = [
     ({}, "prompt"),
     ({"prompt": "x", "colour": "red"}, "colour"),
     ({"prompt": "x", "generator": 1}, "generator"),
-    ({"prompt": "x", "response_format": "url"}, "response_format"),
     ({"prompt": "x", "response_format": "png"}, "response_format"),
-    ({"prompt": "x", "quality": "hd"}, "quality"),
+    ({"prompt": "x", "response_format": "url", "stream": True}, "stream"),  # events carry their images
+    ({"prompt": "x", "quality": "best"}, "quality"),
+    ({"prompt": "x", "quality": "low", "num_inference_steps": 4}, "quality"),  # a quality stands for steps
     ({"prompt": "x", "style": "vivid"}, "style"),
+    ({"prompt": "x", "background": "transparent"}, "background"),
+    ({"prompt": "x", "moderation": "low"}, "moderation"),
+    ({"prompt": "x", "size": "auto "}, "size"),
+    ({"prompt": "x", "size": "64x60"}, "size"),
     ({"prompt": "x", "stream": "true"}, "stream"),
     ({"prompt": "x", "stream": True, "partial_images": 4}, "partial_images"),
     ({"prompt": "x", "stream": True, "partial_images": -1}, "partial_images"),
     ({"prompt": "x", "partial_images": 2}, "partial_images"),  # previews are streamed: stream=true needed
-    ({"prompt": "x", "output_format": "jpeg"}, "output_format"),
+    ({"prompt": "x", "output_format": "gif"}, "output_format"),
+    ({"prompt": "x", "output_compression": 50}, "output_compression"),  # png (the default) is lossless
+    ({"prompt": "x", "output_format": "png", "output_compression": 50}, "output_compression"),
+    ({"prompt": "x", "output_format": "jpeg", "output_compression": 101}, "output_compression"),
+    ({"prompt": "x", "output_format": "webp", "output_compression": 50.0}, "output_compression"),
     ({"prompt": "x", "enhance_prompt": "no"}, "enhance_prompt"),
     ({"prompt": "x", "enhance_prompt": 0}, "enhance_prompt"),
     ({"prompt": "x", "sigmas": []}, "sigmas"),
@@ -123,9 +134,18 @@ def test_image_request_malformed_json_or_non_object_body_is_400(raw):
     assert error.param is None and ("JSON" in error.message or "object" in error.message)
 
 
-def test_image_request_url_format_is_refused_with_the_reason():
-    error = refused(ImageGenerationRequest, {"prompt": "x", "response_format": "url"})
-    assert "b64_json" in error.message and "url" in error.message
+def test_image_request_output_quality_and_auto_size():
+    request = parse_body(ImageGenerationRequest, json.dumps({**OK, "output_format": "jpeg", "size": "auto"}))
+    assert (request.output.format, request.output.compression) == ("jpeg", 100)  # OpenAI's default compression
+    params = request.diffusion_params(7)
+    assert (params.width, params.height) == (None, None)  # "auto": the model's default size
+    request = parse_body(ImageGenerationRequest, json.dumps({**OK, "output_format": "webp", "output_compression": 0}))
+    assert (request.output.format, request.output.compression) == ("webp", 0)
+    assert parse_body(ImageGenerationRequest, json.dumps(OK)).output == ImageOutput()
+    for quality in ("low", "medium", "high", "auto", "standard", "hd"):
+        assert parse_body(ImageGenerationRequest, json.dumps({**OK, "quality": quality})).diffusion_params(7).quality == quality
+    assert [quality_steps(q, 8) for q in ("low", "medium", "high", "auto")] == [2, 4, 8, 8]
+    assert quality_steps("low", 2) == 1  # at least one step
 
 
 def test_image_request_unknown_field_is_named_in_the_message():

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def bound(app):
     """(ingress deployment, llm deployment, diffusion deployment, the ingress's AppConfig) of a built app."""
     ingress = app._bound_deployment
-    llm_app, diffusion_app, config = ingress.init_args
+    llm_app, diffusion_app, config, files = ingress.init_args
+    assert files._bound_deployment.init_args == (config.ingress.image_url_store_mib << 20, config.ingress.image_url_ttl_s)
     return ingress, llm_app._bound_deployment, diffusion_app._bound_deployment, config
 
 
