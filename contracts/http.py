@@ -1,6 +1,7 @@
 """The HTTP API's request and response schemas (OpenAI Images and Chat Completions, plus extensions).
 
-Requests are strict (no coercion: `true`, `1.0` and `"1"` are not seeds), bounded in every field and refuse
+Requests are strict (no coercion: `true`, `1.5` and `"1"` are not seeds; `1.0` is the integer 1, as JSON Schema
+reads it, within 2**53), bounded in every field and refuse
 unknown fields, so every client mistake is a 400 that names the field. OpenAI fields this server cannot honour
 are refused by name with the reason, never silently ignored. The ingress hands these models to FastAPI as typed
 bodies, so `/openapi.json` documents them; every bound comes from `contracts.sampling`. Before a body is parsed,
@@ -91,11 +92,32 @@ def requested_size(size: str | None) -> tuple[int, int] | tuple[None, None]:
     return (None, None) if size in (None, "auto") else parse_size(size)
 
 
+def _when(field: str, holds: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema rule between fields: where `field` is present and `holds`, `then` applies to the request."""
+    return {"if": {"properties": {field: holds}, "required": [field]}, "then": then}
+
+
+def _must_be(field: str, value: Any) -> dict[str, Any]:
+    return {"properties": {field: {"const": value}}, "required": [field]}
+
+
+def _declare_rules(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The rules between a request's fields (its `RULES`, and `NOT_ABOVE`: comparisons JSON Schema has no keyword
+    for), declared in its JSON Schema beside the fields."""
+    rules, not_above = getattr(model, "RULES", []), getattr(model, "NOT_ABOVE", {})
+    if rules:
+        schema["allOf"] = list(rules)
+    if not_above:
+        schema["x-not-above"] = dict(not_above)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, json_schema_extra=_declare_rules)
 
     #: OpenAI fields this server cannot honour -> why: refused by name unless null.
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
+    #: The rules between fields its validators enforce, as JSON Schema (`_when`), so the document states them.
+    RULES: ClassVar[list[dict[str, Any]]] = []
     #: What a request asking to stream is told where streaming is not served ("" where it is).
     WHOLE: ClassVar[str] = "results"
 
@@ -118,7 +140,8 @@ class _Request(BaseModel):
                 raise PydanticCustomError(
                     "unsupported_field", "{name} is not supported: {why}", {"name": name, "why": why}
                 )
-        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
+        integers = _integer_fields(cls)
+        return {k: _whole(v) if k in integers else v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
 
 def _needs(field: str, switch: str, why: str = ""):
@@ -147,6 +170,16 @@ class _OpenAIImageRequest(_Request):
         "moderation": "this server has no moderation levels",
     }
     WHOLE = ""  # streamed as OpenAI streams images (server-sent events, `orchestration.api`)
+    RULES = [
+        _when("partial_images", {"type": "integer", "minimum": 1}, _must_be("stream", True)),
+        _when(
+            "output_compression",
+            {"type": "integer"},
+            {"properties": {"output_format": {"enum": ["jpeg", "webp"]}}, "required": ["output_format"]},
+        ),
+        _when("response_format", {"const": "url"}, {"properties": {"stream": {"not": {"const": True}}}}),
+        _when("quality", {"type": "string"}, {"properties": {"num_inference_steps": {"type": "null"}}}),
+    ]
 
     prompt: Prompt
     model: Name | None = None
@@ -279,6 +312,29 @@ class ImageEditRequest(
         return schema
 
 
+#: A JSON number with no fraction is an integer whatever its spelling (`7.0` is `7`, as JSON Schema reads it); as a
+#: float it is exact only up to 2**53, so past that only the integer spelling is taken (a float there is refused).
+EXACT_WHOLE_FLOAT = 2**53
+
+
+def _whole(value: Any) -> Any:
+    """An integer field's value: a whole float within EXACT_WHOLE_FLOAT as the integer it spells; the rest as it is
+    (strict validation refuses a bool, a string, a fraction)."""
+    if type(value) is float and value.is_integer() and abs(value) <= EXACT_WHOLE_FLOAT:
+        return int(value)
+    return value
+
+
+@functools.cache
+def _integer_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that take an integer (and no other number)."""
+
+    def takes_integer(schema: dict[str, Any]) -> bool:
+        return any(s.get("type") == "integer" for s in schema.get("anyOf", [schema]))
+
+    return frozenset(name for name, schema in model.model_json_schema()["properties"].items() if takes_integer(schema))
+
+
 @functools.cache
 def _text_fields(model: type[BaseModel]) -> frozenset[str]:
     """The fields of `model` that take text (a form gives them as they are)."""
@@ -319,6 +375,18 @@ class ChatCompletionRequest(_Request):
         "logit_bias": "this server does not bias logits",
     }
     WHOLE = ""  # streamed as OpenAI streams chat (`chat.completion.chunk` events, then `[DONE]`; orchestration.api)
+    #: min_tokens at most the first of these fields the request gives, else LLMSamplingParams' default max_tokens
+    #: (`LLMSamplingParams._min_tokens_fit`): in the document as `x-not-above`.
+    NOT_ABOVE: ClassVar[dict[str, dict[str, Any]]] = {
+        "min_tokens": {
+            "first_of": ["max_completion_tokens", "max_tokens"],
+            "default": LLMSamplingParams.model_fields["max_tokens"].default,
+        }
+    }
+    RULES = [
+        _when("stream_options", {"type": "object"}, _must_be("stream", True)),
+        _when("top_logprobs", {"type": "integer", "minimum": 1}, _must_be("logprobs", True)),
+    ]
 
     model: Name | None = None
     messages: Messages
@@ -583,7 +651,8 @@ MAX_EDIT_BODY_BYTES = MAX_IMAGE_BYTES + MiB
 
 @dataclass(frozen=True)
 class BodyRule:
-    """What one route's body must be: its content type (else 415) and at most `max_bytes` (else 413, unread)."""
+    """What one route's body must be: its content type (else 415) and at most `max_bytes` (else 413; the rest of a
+    refused body is read and dropped within a bound before the answer, so the client reads it: orchestration.api)."""
 
     media_type: str
     max_bytes: int

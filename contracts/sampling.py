@@ -10,6 +10,8 @@ Every bound on a sampling field is written once, as a type below; the HTTP schem
 
 from __future__ import annotations
 
+import functools
+import sys
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,6 +73,26 @@ def _has_visible_text(prompt: str) -> str:
     return prompt
 
 
+@functools.cache
+def visible_text_pattern() -> str:
+    """`_has_visible_text` as a JSON Schema pattern (found anywhere in the string: one visible character): a class of
+    every character that is not invisible, built from the same rule over every code point (705 ranges of invisible
+    ones). BMP characters as \\uXXXX escapes (ECMA-262's and Python's alike); others as themselves."""
+    ranges, start = [], None
+    for point in range(sys.maxunicode + 2):
+        invisible = point <= sys.maxunicode and not _visible(chr(point))
+        if invisible and start is None:
+            start = point
+        elif not invisible and start is not None:
+            ranges.append((start, point - 1))
+            start = None
+
+    def char(point: int) -> str:
+        return f"\\u{point:04x}" if point <= 0xFFFF else chr(point)
+
+    return "[^" + "".join(char(a) if a == b else f"{char(a)}-{char(b)}" for a, b in ranges) + "]"
+
+
 def _bounded_nesting(value: Any) -> Any:
     """Refuse latents nested deeper, or holding more values (or lists), than the bounds, before each is validated."""
     pending, counts = [(value, 1)], {False: 0, True: 0}  # values, lists
@@ -94,7 +116,11 @@ def _bounded_nesting(value: Any) -> Any:
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 PartialImages = Annotated[int, Field(ge=0, le=MAX_PARTIAL_IMAGES)]
 PromptText = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
-Prompt = Annotated[PromptText, AfterValidator(_has_visible_text)]
+Prompt = Annotated[
+    PromptText,
+    AfterValidator(_has_visible_text),
+    Field(json_schema_extra=lambda schema: schema.update(pattern=visible_text_pattern())),  # the same rule, declared
+]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 Steps = Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)]
 GuidanceScale = Annotated[Finite, Field(ge=0.0, le=100.0)]
@@ -219,14 +245,32 @@ def _distinct_adapters(choices: list[LoraChoice]) -> list[LoraChoice]:
     return choices
 
 
-Loras = Annotated[list[LoraChoice], Field(min_length=1, max_length=MAX_LORAS), AfterValidator(_distinct_adapters)]
+Loras = Annotated[
+    list[LoraChoice],
+    Field(min_length=1, max_length=MAX_LORAS, json_schema_extra={"x-unique-by": "name"}),  # `_distinct_adapters`
+    AfterValidator(_distinct_adapters),
+]
 
 
 #: Step caching's threshold bounds: the relative change accumulated before a sample's denoiser runs again.
 MAX_CACHE_THRESHOLD = 10.0
 
 
-class StepCache(Contract):
+class StepCache(
+    Contract,
+    json_schema_extra={  # `_threshold_iff_cached`, declared
+        "allOf": [
+            {
+                "if": {"properties": {"method": {"const": "teacache"}}},
+                "then": {"required": ["threshold"], "properties": {"threshold": {"type": "number"}}},
+            },
+            {
+                "if": {"properties": {"method": {"const": "off"}}},
+                "then": {"properties": {"threshold": {"type": "null"}}},
+            },
+        ]
+    },
+):
     """Per-sample step caching (an extension; stages.diffusion.engine.step_cache): TeaCache's rule, decided for each
     sample from its own values alone, so a cached sample's bits never depend on its neighbours. "teacache": the
     relative L1 change of the sample's denoiser input is accumulated step by step; while it stays under `threshold`,

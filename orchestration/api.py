@@ -42,10 +42,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from contracts.encoding import MEDIA_TYPES
 from contracts.errors import InvalidRequestError
@@ -60,6 +62,7 @@ from contracts.http import (
     ImageGenerationRequest,
     ImagesResponse,
     LoraList,
+    MiB,
     ModelCard,
     ModelList,
     decode_json,
@@ -121,14 +124,57 @@ def error_response(error: HTTPError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-async def read_body(request: Request, rule: BodyRule) -> bytes:
-    """The whole body, refused by its headers before a byte is read, and again once more than allowed has arrived."""
-    rule.check_headers(request.headers.get("content-type"), request.headers.get("content-length"))
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        rule.check_size(len(body))
-    return bytes(body)
+#: How much of a refused body is still read (and thrown away) before its answer goes, and for how long. Serve's proxy
+#: (uvicorn) closes the connection as soon as the answer is written when the request said `Connection: close` (urllib
+#: always does), and a close with unread bytes is a reset, in which a client still sending loses the answer (measured:
+#: a 20 MB body refused by its length, or after its first MiB, reached urllib as "connection reset by peer"). Read to
+#: its end, the body leaves nothing unread and the client reads its 413; the connection stays open for the next
+#: request. Past either bound (the largest limit is 17 MiB) the answer goes at once, with `Connection: close`, so that
+#: uvicorn stops reading, which it would otherwise do, throwing it away, for as long as the client sends: the bounded
+#: lingering close nginx makes too, after which a client still sending may see a reset.
+DRAIN_BYTES = 64 * MiB
+DRAIN_S = 10.0
+
+
+class BodyReader:
+    """A request's body, read from ASGI's receive: what has come and whether it has ended, so that the rest of a
+    refused body can still be drained (`drain`)."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.size = 0
+        self.ended = False
+
+    async def chunk(self) -> bytes:
+        message = await self.request.receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        body: bytes = message.get("body", b"")
+        self.size += len(body)
+        self.ended = not message.get("more_body", False)
+        return body
+
+    async def read(self, rule: BodyRule) -> bytes:
+        """The whole body, refused by its headers before a byte is read, and again once more than allowed has come."""
+        rule.check_headers(self.request.headers.get("content-type"), self.request.headers.get("content-length"))
+        body = bytearray()
+        while not self.ended:
+            body += await self.chunk()
+            rule.check_size(len(body))
+        return bytes(body)
+
+    async def drain(self) -> bool:
+        """Read and throw away what is left of a refused body, within DRAIN_BYTES and DRAIN_S: whether it ended."""
+        declared = self.request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > DRAIN_BYTES):
+            return False  # not worth waiting for
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                while not self.ended and self.size <= DRAIN_BYTES:
+                    await self.chunk()
+        except (TimeoutError, ClientDisconnect):
+            return False
+        return self.ended
 
 
 def replaying(request: Request, body: bytes) -> Request:
@@ -155,12 +201,16 @@ class BodyCheckedRoute(APIRoute):
             return handle
 
         async def checked(request: Request) -> Response:
+            reader = BodyReader(request)
             try:
-                body = await read_body(request, rule)
+                body = await reader.read(rule)
                 if rule.media_type == "application/json":
                     decode_json(body)  # FastAPI decodes it again, leniently; this is the decoding that refuses
             except Exception as exc:
-                return error_response(http_error(exc))
+                refused = error_response(http_error(exc))
+                if not await reader.drain():  # the client reads its answer only once nothing it sent is left unread
+                    refused.headers["Connection"] = "close"
+                return refused
             return await handle(replaying(request, body))
 
         return checked
@@ -213,7 +263,7 @@ async def images_or_events(
         done = await results(plan, items)
         links = None
         if request.response_format == "url":
-            links = [f"{base_url}v1/images/{image_id}" for image_id in await ingress.keep_files(done)]
+            links = [f"{base_url}v1/images/{i}" for i in await ingress.links.keep([r.delivered for r in done])]
         whole = images_response(plan, done, ingress.config.switches, links)
         return JSONResponse(jsonable_encoder(whole), headers=http_caching(done))
     kind = STREAM_EVENT_KINDS["edit" if isinstance(request, ImageEditRequest) else "generation"]
@@ -225,7 +275,7 @@ async def images_or_events(
 
 async def stored_image(ingress: Ingress, image_id: str) -> Response:
     """A file a request with `response_format: "url"` linked to, while the image store keeps it (cacheable as long)."""
-    file, left_s = await ingress.file(image_id)
+    file, left_s = await ingress.links.get(image_id)
     headers = {"ETag": f'"{file.sha256}"', "Cache-Control": f"private, max-age={max(0, int(left_s))}"}
     return Response(file.data, media_type=file.media_type, headers=headers)
 
@@ -285,10 +335,27 @@ def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any]) -> None:
         return error_response(http_error(exc))
 
 
+#: FastAPI's own /openapi.json, /docs and /redoc off: `_serve_documents` serves the deployment's.
+OWN_DOCUMENTS: dict[str, Any] = {"openapi_url": None, "docs_url": None, "redoc_url": None}
+
+
+def _serve_documents(api: FastAPI, ingress: Ingress) -> None:
+    """/openapi.json, narrowed to this deployment (`orchestration.openapi`), and /docs rendering it."""
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        return JSONResponse(await ingress.openapi(api.openapi()))
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(request: Request):
+        return get_swagger_ui_html(openapi_url=f"{request.scope.get('root_path', '')}/openapi.json", title="omniserve")
+
+
 def build_api(ingress: Ingress) -> FastAPI:
     api = FastAPI(
         title="omniserve",
         description="Reproducible two-stage (LLM -> diffusion) generation; OpenAI-compatible Images and Chat routes.",
+        **OWN_DOCUMENTS,
     )
     api.router.route_class = BodyCheckedRoute
     timeout_s = ingress.config.ingress.request_timeout_s
@@ -340,5 +407,6 @@ def build_api(ingress: Ingress) -> FastAPI:
             return report
         return JSONResponse(report.model_dump(exclude_none=True), status_code=report.http_status)
 
+    _serve_documents(api, ingress)
     mount_playground(api)  # GET /: the playground page and its assets
     return api

@@ -13,13 +13,16 @@ sha256 and the request that reproduces them are the record.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections import OrderedDict
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from contracts.encoding import ImageFile
+from contracts.errors import NotFoundError
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -55,3 +58,26 @@ class ImageStore:
 
     def _drop(self, image_id: str) -> None:
         self.bytes -= len(self._files.pop(image_id)[1].data)
+
+
+class ImageLinks:
+    """The ingress's side of the store: a response's files in, a link's file out (404 naming `image_id` when gone)."""
+
+    def __init__(self, store: DeploymentHandle, ttl_s: float):
+        self.store, self.ttl_s = store, ttl_s
+
+    async def keep(self, files: list[ImageFile]) -> list[str]:
+        """Each file into the store: their ids, in order."""
+        return list(await asyncio.gather(*(self.store.put.remote(file) for file in files)))
+
+    async def get(self, image_id: str) -> tuple[ImageFile, float]:
+        """A stored file and the seconds it has left."""
+        kept = await self.store.get.remote(image_id)
+        if kept is None:
+            raise NotFoundError(
+                f"no image {image_id!r}: its link expired (links last {self.ttl_s:g} s), was dropped for newer ones, "
+                "or never existed",
+                param="image_id",
+                code="image_not_found",
+            )
+        return kept

@@ -15,7 +15,6 @@ replica by `__serve_build_asgi_app__` so that it can carry this replica's config
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
@@ -23,8 +22,7 @@ from typing import Any, cast
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from contracts.encoding import ImageFile
-from contracts.errors import ModelNotFoundError, NotFoundError
+from contracts.errors import ModelNotFoundError
 from contracts.http import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -41,7 +39,9 @@ from contracts.results import Completion
 
 from .config import AppConfig
 from .health import HealthProbe, HealthResponse
-from .pipeline import ImagePipeline, ImagePlan, ImageResult, RewriteCache, admit_chat, admit_edit, admit_images
+from .image_store import ImageLinks
+from .openapi import ServedDocument
+from .pipeline import ImagePipeline, ImagePlan, RewriteCache, admit_chat, admit_edit, admit_images
 from .responses import chat_chunks, chat_response
 from .result_cache import ResultCache, chat_key, exact
 from .retries import Retrying
@@ -54,7 +54,7 @@ class Ingress:
 
     def __init__(self, llm: DeploymentHandle, diffusion: DeploymentHandle, config: AppConfig, files: DeploymentHandle):
         self.config = config
-        self.files = files
+        self.links = ImageLinks(files, config.ingress.image_url_ttl_s)
         self.handles: dict[Stage, DeploymentHandle] = {"llm": llm, "diffusion": diffusion}
         self.retrying = Retrying(config.ingress.retry_attempts, config.ingress.retry_backoff_s)
         self.pipeline = ImagePipeline(
@@ -67,6 +67,7 @@ class Ingress:
         self.completions: ResultCache[Completion] = ResultCache("chat", config.ingress.result_cache_mib << 20)
         self.probe = HealthProbe(self.handles, config)
         self._served_models: dict[str, str] = {}
+        self.document = ServedDocument(config)
 
     def __serve_build_asgi_app__(self):
         from .api import build_api
@@ -89,22 +90,6 @@ class Ingress:
             if isinstance(request, ImageEditRequest)
             else admit_images(request, self.config)
         )
-
-    async def keep_files(self, done: list[ImageResult]) -> list[str]:
-        """Each image's file into the image store (`response_format: "url"`): their ids, in order."""
-        return list(await asyncio.gather(*(self.files.put.remote(r.delivered) for r in done)))
-
-    async def file(self, image_id: str) -> tuple[ImageFile, float]:
-        """A stored file and the seconds it has left (`GET /v1/images/{id}`); gone or never there: 404."""
-        kept = await self.files.get.remote(image_id)
-        if kept is None:
-            raise NotFoundError(
-                f"no image {image_id!r}: its link expired (links last {self.config.ingress.image_url_ttl_s:g} s), "
-                "was dropped for newer ones, or never existed",
-                param="image_id",
-                code="image_not_found",
-            )
-        return kept
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         if request.model is not None:
@@ -175,6 +160,9 @@ class Ingress:
         report.ingress["rewrite_cache"] = self.pipeline.rewrites.stats
         report.ingress["result_cache"] = {"image": self.pipeline.kept.stats, "chat": self.completions.stats}
         return report
+
+    async def openapi(self, generated: dict[str, Any]) -> dict[str, Any]:
+        return await self.document.served(generated, self.probe)
 
     async def served_model(self, stage: Stage) -> str:
         if stage not in self._served_models:

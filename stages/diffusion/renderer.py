@@ -360,6 +360,19 @@ class DiffusionRenderer:
         return kwargs
 
 
+def request_rules(renderer: DiffusionRenderer, step_engine: bool) -> dict[str, Any]:
+    """What a replica's admission takes beyond the contract, for the ingress's OpenAPI document
+    (`orchestration.openapi`): the same facts `DiffusionRenderer.resolve` and `check_renderable` decide by."""
+    per_sample = bool(step_engine and renderer.family)  # step caching, adapters and schedulers are the step engine's
+    return {
+        "size_multiple": renderer.size_multiple,
+        "min_steps": renderer.min_steps,
+        "schedulers": sorted(renderer.family.SCHEDULERS) if per_sample and renderer.family else [],
+        "true_cfg": renderer.accepts_true_cfg,
+        "per_sample": per_sample,
+    }
+
+
 def check_renderable(renderer: DiffusionRenderer, params: DiffusionSamplingParams) -> None:
     """Refuse what this renderer's model cannot render (a 400 naming the field)."""
     for name in ("height", "width"):

@@ -29,7 +29,7 @@ from stages.scope import diffusion_scope
 
 from .admission import Admission
 from .batching import RequestBatching, StepBatching, previews_then_image
-from .renderer import DiffusionRenderer, Job, encode_png
+from .renderer import DiffusionRenderer, Job, encode_png, request_rules
 
 
 @serve.deployment
@@ -141,6 +141,7 @@ class DiffusionStage:
                 "defaults": dict(self.renderer.defaults),
                 "batching": batching,
                 "loras": self.renderer.loras.names(),  # what a request's `lora` may name here (GET /v1/loras)
+                "requests": request_rules(self.renderer, isinstance(self.batching, StepBatching)),
                 "problem": problem,
             },
         )

@@ -213,10 +213,9 @@ class LLMEngine:
                 "engine_args": {k: v for k, v in self.settings.args.items() if k != "model"},
                 "vllm_version": vllm.__version__,
                 "startup_s": self.startup_s,
+                "loras": self.adapters.names(),  # what a chat request's `lora` may name
             },
         )
-
-    # -- generation --
 
     async def stream(
         self, prompt_ids: list[int], sampling, adapter: LlmAdapter | None = None

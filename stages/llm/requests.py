@@ -159,6 +159,12 @@ class LLMRequests:
     def admit(self, params: Any) -> LLMSamplingParams:
         return admit_llm_params(params, batch_invariant=self.engine.batch_invariant)
 
+    def prompt_budget(self, params: LLMSamplingParams) -> int:
+        """Tokens a client's prompt may take in a rewrite run with `params`: the context less the rewrite's own template
+        and its completion (what `sampling` refuses past), for the ingress's OpenAPI document."""
+        run_params, _ = self.policy.sampling(params)
+        return self.engine.max_model_len - len(self.encode_enhancement("")) - run_params.max_tokens
+
     # -- the requests --
 
     async def enhance(self, prompt: str, params: LLMSamplingParams | Mapping[str, Any] | None = None) -> RevisedPrompt:

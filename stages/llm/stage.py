@@ -86,6 +86,8 @@ class LLMStage:
             "rewrites": asdict(self.requests.stats),
             "in_flight": self.in_flight,  # calls being answered here
             "requests_in_engine": self.engine.async_llm.get_num_unfinished_requests(),  # vLLM's own count
+            "context_tokens": self.engine.max_model_len,
+            "rewrite_prompt_tokens": self.requests.prompt_budget(self.engine.config.enhance_params(0)),
         }
         return described.model_copy(
             update={"replica": replica_id(), "details": details, **self.engine.scope.provenance()}

@@ -66,14 +66,14 @@ def refused(model, body) -> InvalidRequestError:
 BAD_IMAGE_REQUESTS = [
     ({"prompt": "x", "seed": True}, "seed"),
     ({"prompt": "x", "seed": False}, "seed"),
-    ({"prompt": "x", "seed": 1.0}, "seed"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
     ({"prompt": "x", "seed": 3.5}, "seed"),
     ({"prompt": "x", "seed": "1"}, "seed"),
     ({"prompt": "x", "seed": MAX_SEED + 1}, "seed"),
     ({"prompt": "x", "seed": MIN_SEED - 1}, "seed"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 9}, "n"),
-    ({"prompt": "x", "n": 2.0}, "n"),
+    ({"prompt": "x", "n": 2.5}, "n"),
     ({"prompt": "x", "n": "2"}, "n"),
     ({"prompt": "x", "size": "64"}, "size"),
     ({"prompt": "x", "size": "64x"}, "size"),
@@ -85,7 +85,7 @@ BAD_IMAGE_REQUESTS = [
     ({"prompt": "x", "size": 64}, "size"),
     ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
     ({"prompt": "x", "num_inference_steps": 501}, "num_inference_steps"),
-    ({"prompt": "x", "num_inference_steps": 4.0}, "num_inference_steps"),
+    ({"prompt": "x", "num_inference_steps": 4.5}, "num_inference_steps"),
     ({"prompt": "x", "guidance_scale": -1}, "guidance_scale"),
     ({"prompt": "x", "guidance_scale": "7"}, "guidance_scale"),
     ({"prompt": ""}, "prompt"),
@@ -112,7 +112,7 @@ BAD_IMAGE_REQUESTS = [
     ({"prompt": "x", "output_compression": 50}, "output_compression"),  # png (the default) is lossless
     ({"prompt": "x", "output_format": "png", "output_compression": 50}, "output_compression"),
     ({"prompt": "x", "output_format": "jpeg", "output_compression": 101}, "output_compression"),
-    ({"prompt": "x", "output_format": "webp", "output_compression": 50.0}, "output_compression"),
+    ({"prompt": "x", "output_format": "webp", "output_compression": 50.5}, "output_compression"),
     ({"prompt": "x", "enhance_prompt": "no"}, "enhance_prompt"),
     ({"prompt": "x", "enhance_prompt": 0}, "enhance_prompt"),
     ({"prompt": "x", "sigmas": []}, "sigmas"),
@@ -132,6 +132,13 @@ def test_image_request_bad_inputs_are_400_naming_the_field(body, param):
 def test_image_request_malformed_json_or_non_object_body_is_400(raw):
     error = refused(ImageGenerationRequest, raw)
     assert error.param is None and ("JSON" in error.message or "object" in error.message)
+
+
+def test_a_whole_number_spelled_as_a_float_is_the_integer_within_2_53_and_refused_past_it():
+    assert parse_body(ImageGenerationRequest, json.dumps({**OK, "seed": -720.0, "n": 2.0})).seed == -720
+    assert parse_body(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 4.0}').max_tokens == 4
+    assert refused(ImageGenerationRequest, {**OK, "seed": float(2**53 + 2)}).param == "seed"  # not exact as a float
+    assert refused(ImageGenerationRequest, {**OK, "guidance_scale": 7, "n": 1.5}).param == "n"
 
 
 def test_image_request_output_quality_and_auto_size():

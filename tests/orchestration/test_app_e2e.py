@@ -271,7 +271,7 @@ def test_full_stage_queue_answers_503_with_retry_after(server):
 
 BAD = [
     ({"prompt": "x", "seed": True}, 400, "seed"),
-    ({"prompt": "x", "seed": 1.0}, 400, "seed"),
+    ({"prompt": "x", "seed": 1.5}, 400, "seed"),
     ({"prompt": "x", "seed": "1"}, 400, "seed"),
     ({"prompt": "x", "seed": MAX_SEED + 1}, 400, "seed"),
     ({"prompt": "x", "seed": MIN_SEED - 1}, 400, "seed"),

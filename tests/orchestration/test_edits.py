@@ -103,7 +103,7 @@ BAD = [
     ({"strength": "0"}, "strength"),
     ({"strength": "0.2"}, "strength"),  # int(4 * 0.2) = 0 steps left: refused by the diffusion stage itself
     ({"guidance_scale": "nan"}, "guidance_scale"),
-    ({"response_format": "url"}, "response_format"),
+    ({"response_format": "link"}, "response_format"),
     ({"latents": "[[0.0]]"}, "latents"),
     ({"colour": "blue"}, "colour"),
 ]

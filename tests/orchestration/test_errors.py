@@ -2,13 +2,22 @@
 
 The HTTP-level tests at the end run `orchestration.api` (the real routes, body checks and handlers) in-process
 over a stub ingress whose stage calls raise what a test says: fast, without Ray. The real app over real HTTP is
-tests/orchestration/test_fuzz.py (slow).
+tests/orchestration/test_fuzz.py (slow), and, for refused bodies too large to answer before they are read, the last
+tests here (slow: the package's shared app, through Serve's proxy).
 """
 
+import functools
+import json
 import logging
 import pickle
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from pydantic import ValidationError
 from ray.exceptions import RayTaskError
@@ -22,7 +31,7 @@ from contracts.errors import (
     QueueFullError,
     UnsupportedMediaTypeError,
 )
-from contracts.http import MAX_JSON_BODY_BYTES, ImagesResponse
+from contracts.http import BODY_RULES, MAX_JSON_BODY_BYTES, ImagesResponse
 from contracts.invariance import SeedContractError
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from orchestration.errors import http_error
@@ -250,3 +259,93 @@ def test_a_servers_value_error_is_500_over_http(api):
     api.ingress.failure = ValueError("a bug in the server")
     error = openai_error(api.post("/v1/images/generations", json={"prompt": "x"}), 500)
     assert error["type"] == "server_error" and "bug" not in error["message"]
+
+
+# --- a refused body's answer reaches the client: the real app, through Serve's proxy ----------------------
+
+#: Where a sender pauses, and for how long: past every JSON route's limit, so the server has refused the body and
+#: answered by then, and the client is still sending, as over any real network (on the loopback a 20 MB body can
+#: arrive whole before the answer is written, and a server that closes on unread bytes gets away with it).
+PAUSE_AT, PAUSE_S = 10 * 2**20, 0.3
+
+
+def twenty_mb() -> bytes:
+    """A 20 MB JSON body: 20 times chat's limit, 2.5 times a generation's."""
+    return json.dumps({"prompt": "x", "user": "u" * 20_000_000}).encode()
+
+
+def paced(raw: bytes) -> Iterator[bytes]:
+    for start in range(0, len(raw), 2**16):
+        if start == PAUSE_AT:
+            time.sleep(PAUSE_S)
+        yield raw[start : start + 2**16]
+
+
+def length(raw: bytes, chunked: bool) -> dict[str, str]:
+    return {} if chunked else {"Content-Length": str(len(raw))}  # an iterator body without it goes chunked
+
+
+def by_urllib(url: str, raw: bytes, media: str, chunked: bool = False) -> tuple[int, dict]:
+    """urllib sends `Connection: close` and reads nothing until it has sent the whole body: a server that answers
+    early and closes on unread bytes resets the connection, and the answer is lost with it."""
+    headers = {"Content-Type": media} | length(raw, chunked)
+    request = urllib.request.Request(url, data=paced(raw), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+def by_httpx(url: str, raw: bytes, media: str, chunked: bool = False, close: bool = False) -> tuple[int, dict]:
+    headers = {"Content-Type": media} | length(raw, chunked) | ({"Connection": "close"} if close else {})
+    with httpx.Client(timeout=60) as client:
+        response = client.post(url, content=paced(raw), headers=headers)
+    return response.status_code, response.json()
+
+
+SENDERS: dict[str, Callable[[str, bytes, str], tuple[int, dict]]] = {
+    "urllib": by_urllib,
+    "urllib-chunked": functools.partial(by_urllib, chunked=True),
+    "httpx": by_httpx,
+    "httpx-chunked": functools.partial(by_httpx, chunked=True),
+    "httpx-close": functools.partial(by_httpx, close=True),
+    "httpx-chunked-close": functools.partial(by_httpx, chunked=True, close=True),
+}
+CHAT_ROUTE, IMAGES_ROUTE = "/v1/chat/completions", "/v1/images/generations"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sender,route",
+    [(sender, CHAT_ROUTE) for sender in SENDERS] + [("urllib", IMAGES_ROUTE), ("httpx-chunked", IMAGES_ROUTE)],
+)
+def test_a_20_mb_body_gets_its_413_not_a_connection_reset(server, sender, route):
+    status, body = SENDERS[sender](server + route, twenty_mb(), "application/json")
+    assert status == 413, body
+    assert body["error"]["code"] == "body_too_large"
+    assert f"limit of {BODY_RULES[route].max_bytes} bytes" in body["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_20_mb_body_of_the_wrong_type_gets_its_415_not_a_connection_reset(server):
+    status, body = by_urllib(server + CHAT_ROUTE, twenty_mb(), "text/plain")
+    assert status == 415 and body["error"]["code"] == "unsupported_media_type"
+
+
+@pytest.mark.slow
+def test_a_body_declared_past_the_drain_bound_is_answered_at_once_and_the_connection_closed(server):
+    """A client that declares 1 GB is not waited for: its 413 comes before it sends a byte, then the server closes
+    (a client that goes on sending may then see a reset: the price of not reading its gigabyte)."""
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(
+            f"POST {CHAT_ROUTE} HTTP/1.1\r\nHost: omniserve\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {10**9}\r\n\r\n".encode()
+        )
+        answer = b""
+        while chunk := conn.recv(2**16):  # ends at the server's close (a timeout fails the test)
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower(), head
+    assert json.loads(body)["error"]["code"] == "body_too_large"

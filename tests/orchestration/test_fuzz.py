@@ -228,7 +228,7 @@ VALID_EDIT = {"prompt": "a red fox", "seed": "7", "num_inference_steps": "2", "e
 BAD_EDIT_FIELDS = st.one_of(
     st.sampled_from([("n", "0"), ("n", "4.5"), ("n", "\u0662"), ("strength", "2"), ("strength", "0"), ("strength", "0.2"),
                      ("seed", "seven"), ("seed", ["1", "2"]), ("size", "128x128"), ("guidance_scale", "nan"),
-                     ("response_format", "url"), ("latents", "[[0.0]]"), ("mask", "x"), ("partial_images", "4")]),
+                     ("response_format", "link"), ("latents", "[[0.0]]"), ("mask", "x"), ("partial_images", "4")]),
     st.text(alphabet=INVISIBLE, max_size=8).map(lambda p: ("prompt", p)),
     st.lists(st.sampled_from(DIGITS), min_size=1, max_size=4).map(lambda zeros: ("size", foreign_size(zeros))),
     st.text(min_size=1, max_size=10).filter(lambda k: k.isascii() and k.isidentifier() and k not in ImageEditRequest.model_fields).map(

@@ -1,0 +1,234 @@
+"""The OpenAPI document an app serves (`GET /openapi.json`): FastAPI's, generated from the request models, narrowed to
+what this deployment enforces, so that a request the document calls valid is served and one it calls invalid is
+refused (a schema-driven fuzzer checks both: tests/orchestration/test_schema_fuzz.py).
+
+From the app's config: `seed` required under a stage's invariance (the seed contract), the inputs the contract forbids
+then (`generator_device`, `latents`, `sigmas`) left out, the step and pixel limits. From the stages themselves (their
+`describe()`, asked once): the model ids a request may name, the adapters and schedulers a replica serves, the size
+multiple and the fewest steps of its model, whether it takes `true_cfg_scale` and per-sample fields (`cache`, `lora`).
+Sizes carry `format: "image-size"` with `x-max-pixels` and `x-size-multiple` (a pattern cannot say "width x height at
+most N pixels"). The server-sent events of a streamed request are declared with OpenAPI 3.2's `itemSchema`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+from typing import Any
+
+from pydantic import BaseModel
+
+from contracts.http import ChatCompletionChunk, ImageCompletedEvent, ImagePartialEvent
+from contracts.invariance import STAGES
+from contracts.sampling import MAX_INFERENCE_STEPS
+
+from .config import AppConfig
+from .health import HealthProbe
+
+#: The seed contract's inputs: refused under diffusion invariance (contracts.invariance), so not declared then.
+SEED_CONTRACT_FIELDS = ("generator_device", "latents", "sigmas")
+IMAGE_REQUESTS = ("ImageGenerationRequest", "ImageEditRequest")
+
+
+class ServedDocument:
+    """An ingress replica's document, made once every stage has described itself (a stage scaled to zero is not woken:
+    until it runs, its part stays as the config says, and the document is made again on the next request)."""
+
+    def __init__(self, config: AppConfig):
+        self.config = config
+        self._made: dict[str, Any] | None = None
+
+    async def served(self, generated: dict[str, Any], probe: HealthProbe) -> dict[str, Any]:
+        if self._made is not None:
+            return self._made
+        running = await asyncio.to_thread(probe.replica_counts)
+        described = {
+            stage: (await probe.describe(stage)).model_dump(mode="json")
+            for stage in STAGES
+            if running[stage].get("running") != 0
+        }
+        document = served_schema(
+            copy.deepcopy(generated), self.config, described.get("diffusion", {}), described.get("llm", {})
+        )
+        if len(described) == len(STAGES):
+            self._made = document
+        return document
+
+
+def served_schema(
+    document: dict[str, Any], config: AppConfig, diffusion: dict[str, Any], llm: dict[str, Any]
+) -> dict[str, Any]:
+    """`document` (FastAPI's) narrowed to this deployment; `diffusion` and `llm`: each stage's description as /health
+    reports it (`model`, `details`)."""
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    for name, schema in _image_schemas(document):
+        _narrow_images(schema, config, diffusion, llm, require_seed=name != "edit-form")
+    loras = diffusion.get("details", {}).get("loras", [])
+    _adapters(components, loras)
+    chat = components.get("ChatCompletionRequest")
+    if chat is not None:
+        _narrow_chat(chat, config, llm)
+    _declare_events(document, components)
+    for schema in components.values():
+        for field in schema.get("properties", {}).values():
+            _inside_doubles(_nullable({"f": field}, "f"))
+    return document
+
+
+def _image_schemas(document: dict[str, Any]):
+    components = document["components"]["schemas"]
+    for name in IMAGE_REQUESTS:
+        if name in components:
+            yield name, components[name]
+    form = document["paths"].get("/v1/images/edits", {}).get("post", {}).get("requestBody", {})
+    schema = form.get("content", {}).get("multipart/form-data", {}).get("schema")
+    if schema is not None:
+        yield "edit-form", schema
+
+
+def _adapters(components: dict[str, Any], loras: list[str]) -> None:
+    """A request's adapters: the names this deployment serves; their sha256 (what `omniserve verify` sends back from
+    a file, refused when it differs from the replica's) left undeclared."""
+    choice = components.get("LoraChoice")
+    if choice is not None:
+        choice["properties"]["name"] = {"type": "string", "enum": list(loras)}
+        choice["properties"].pop("sha256", None)
+
+
+def _rewritten_prompt_fits(schema: dict[str, Any], llm: dict[str, Any]) -> None:
+    """With the rewrite on (`enhance_prompt` not false), a prompt at most the characters whose tokens surely fit the
+    LLM's rewrite (`rewrite_prompt_tokens`, as the stage reports it): 4 per character, a UTF-8 byte each at most."""
+    budget = llm.get("details", {}).get("rewrite_prompt_tokens")
+    if budget is not None:
+        longest = {"properties": {"prompt": {"maxLength": max(1, (budget - 8) // 4)}}}
+        rule = {
+            "if": {"properties": {"enhance_prompt": {"const": False}}, "required": ["enhance_prompt"]},
+            "else": longest,
+        }
+        schema.setdefault("allOf", []).append(rule)
+
+
+def _narrow_images(
+    schema: dict[str, Any], config: AppConfig, diffusion: dict[str, Any], llm: dict[str, Any], require_seed: bool
+) -> None:
+    properties = schema["properties"]
+    limits, rules = config.diffusion, diffusion.get("details", {}).get("requests", {})
+    if config.switches.diffusion:
+        for name in SEED_CONTRACT_FIELDS:
+            properties.pop(name, None)
+        if require_seed:
+            _require(schema, "seed")
+    steps = _nullable(properties, "num_inference_steps")
+    steps.update(minimum=rules.get("min_steps", 1), maximum=min(limits.max_inference_steps, MAX_INFERENCE_STEPS))
+    size = _nullable(properties, "size")
+    size.update(
+        {"format": "image-size", "x-max-pixels": limits.max_pixels, "x-size-multiple": rules.get("size_multiple", 8)}
+    )
+    _only(properties, "model", _model_ids(config, "diffusion", diffusion))
+    if not rules.get("true_cfg", False):
+        properties.pop("true_cfg_scale", None)
+    if not rules.get("per_sample", False) or not diffusion.get("details", {}).get("loras"):
+        properties.pop("lora", None)
+    if not rules.get("per_sample", False):
+        properties.pop("cache", None)
+    schedulers = rules.get("schedulers", [])
+    _only(properties, "scheduler", schedulers) if schedulers else properties.pop("scheduler", None)
+    _rewritten_prompt_fits(schema, llm)
+
+
+def _narrow_chat(schema: dict[str, Any], config: AppConfig, llm: dict[str, Any]) -> None:
+    properties = schema["properties"]
+    if config.switches.llm:  # a sampled completion needs its seed (a greedy one, temperature 0, is served without)
+        _require(schema, "seed")
+    _only(properties, "model", _model_ids(config, "llm", llm))
+    context = llm.get("details", {}).get("context_tokens")
+    if context is not None:  # a sum over fields, which JSON Schema has no keyword for
+        schema["x-context-tokens"] = {
+            "tokens": context,
+            "counts": "each message's content, at most a token per UTF-8 byte, + 2 per message + 2, + the completion's "
+            "max_completion_tokens or max_tokens (64 when neither is given)",
+        }
+        for name in ("max_tokens", "max_completion_tokens"):
+            _nullable(properties, name)["maximum"] = context - 3
+    loras = llm.get("details", {}).get("loras", [])
+    if loras:
+        _only(properties, "lora", loras)
+    else:
+        properties.pop("lora", None)
+
+
+def _model_ids(config: AppConfig, stage: str, described: dict[str, Any]) -> list[str]:
+    """What `model` may say (Ingress.check_model): the served id, the configured name, the stage's name."""
+    configured = getattr(config, stage).model
+    return sorted({described.get("model") or stage, stage, *([configured] if configured else [])})
+
+
+def _inside_doubles(schema: dict[str, Any]) -> None:
+    """An integer's bounds past 2**53 moved inward to doubles two steps inside: a validator that reads numbers as
+    doubles (many do, FastAPI's document model among them: it wrote the seed's maximum 2**64 - 1 as 1.8446744073709552e19,
+    which is 2**64) would otherwise take an integer just outside a bound for the bound itself (measured: a seed 191
+    below -2**63 passed one). The server's own range is that wide; the document's is narrower by a few parts in
+    10**16."""
+    if schema.get("type") != "integer":
+        return
+    for key, inward in (("minimum", math.inf), ("maximum", -math.inf)):
+        bound = schema.get(key)
+        if isinstance(bound, int | float) and abs(bound) > 2**53:  # FastAPI writes them as floats: past 2**53, inexact
+            schema[key] = int(math.nextafter(math.nextafter(float(bound), inward), inward))
+
+
+def _require(schema: dict[str, Any], name: str) -> None:
+    """`name` required, and not null."""
+    schema["required"] = sorted({*schema.get("required", []), name})
+    schema["properties"][name] = _nullable(schema["properties"], name)
+
+
+def _nullable(properties: dict[str, Any], name: str) -> dict[str, Any]:
+    """The non-null branch of an optional field's schema (pydantic writes `anyOf: [{...}, {"type": "null"}]`)."""
+    field = properties.get(name, {})
+    return next((s for s in field.get("anyOf", []) if s.get("type") != "null"), field)
+
+
+def _only(properties: dict[str, Any], name: str, values: list[str]) -> None:
+    if name in properties:
+        branch = _nullable(properties, name)
+        branch.pop("pattern", None)
+        branch.pop("maxLength", None)
+        branch["enum"] = list(values)
+
+
+def _declare_events(document: dict[str, Any], components: dict[str, Any]) -> None:
+    """Each event-stream response as OpenAPI 3.2 declares server-sent events: `itemSchema`, one event (`event`,
+    `data`), its `data` a JSON document of the event's model (`contentSchema`); the events' models into the
+    components. Image streams send `event: <type>` frames, an `error` frame on a failure; chat streams send data
+    lines, `{"error": ...}` on a failure, and `[DONE]` last."""
+    models: dict[str, type[BaseModel]] = {
+        "ImagePartialEvent": ImagePartialEvent,
+        "ImageCompletedEvent": ImageCompletedEvent,
+        "ChatCompletionChunk": ChatCompletionChunk,
+    }
+    for name, model in models.items():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components.setdefault(name, schema)
+    image = [_event(name, {"event": {"type": "string"}}) for name in ("ImagePartialEvent", "ImageCompletedEvent")]
+    chat = [_event("ChatCompletionChunk"), {"properties": {"data": {"const": "[DONE]"}}, "required": ["data"]}]
+    for path, events in (
+        ("/v1/images/generations", image),
+        ("/v1/images/edits", image),
+        ("/v1/chat/completions", chat),
+    ):
+        content = document["paths"].get(path, {}).get("post", {}).get("responses", {}).get("200", {}).get("content", {})
+        if "text/event-stream" in content:
+            failure = _event("ErrorResponse", {"event": {"const": "error"}} if events is image else {})
+            content["text/event-stream"] = {"itemSchema": {"type": "object", "oneOf": [*events, failure]}}
+
+
+def _event(model: str, other: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"$ref": f"#/components/schemas/{model}"},
+    }
+    return {"properties": {**(other or {}), "data": data}, "required": ["data"]}
