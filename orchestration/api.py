@@ -374,9 +374,10 @@ def build_api(ingress: Ingress) -> FastAPI:
     async def images_generations(body: ImageGenerationRequest, request: Request):
         return await respond(images_or_events(ingress, body, timeout_s, str(request.base_url)))
 
-    @api.get("/v1/images/{image_id}", responses={**ERRORS, **IMAGE_FILE})
-    async def image_file(image_id: str):
-        return await respond(stored_image(ingress, image_id))
+    # "img_" in the path, so the POST routes' paths (/v1/images/generations) stay theirs: a GET there is a 405.
+    @api.get("/v1/images/img_{token}", responses={**ERRORS, **IMAGE_FILE})
+    async def image_file(token: str):
+        return await respond(stored_image(ingress, f"img_{token}"))
 
     @api.post(
         "/v1/images/edits", response_model=ImagesResponse, responses={**ERRORS, **STREAMED}, openapi_extra=EDIT_BODY

@@ -94,6 +94,7 @@ def test_url_responses_link_to_the_bytes_the_response_names(server, http):
     assert hashlib.sha256(fetched.content).hexdigest() == jpeg["sha256"]
     missing = http.get("/v1/images/img_unknown")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "image_id"
+    assert http.get("/v1/images/generations").status_code == 405  # the POST routes keep their paths
 
 
 def test_the_image_store_keeps_files_within_its_bytes_and_time(monkeypatch):

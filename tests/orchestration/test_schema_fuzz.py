@@ -93,7 +93,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model}"),
-    ("GET", "/v1/images/{image_id}"),
+    ("GET", "/v1/images/img_{token}"),
     ("GET", "/v1/loras"),
     ("GET", "/health"),
 ]
