@@ -41,7 +41,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 #: the reliability modules, few tests each, went last and ran 6 minutes on one worker). Only the order matters;
 #: a scope not listed counts as short.
 SCOPE_SECONDS = {
-    "tests/orchestration": 600,
+    "tests/orchestration": 660,
+    "tests/orchestration:small": 170,
     "tests/reliability/test_llm_faults.py": 250,
     "tests/stages/test_llm_serve.py": 240,
     "tests/stages/test_diffusion_stage.py": 240,
@@ -63,6 +64,11 @@ SCOPE_SECONDS = {
 }
 
 
+#: The orchestration modules that use the package's "/small" app only (tests/orchestration/conftest.py): one scope of
+#: their own, so they run beside the shared apps' modules on the other worker, which starts only the small app.
+SMALL_APP_MODULES = ("tests/orchestration/test_schema_fuzz.py", "tests/orchestration/test_rewriter_http.py")
+
+
 def pytest_xdist_make_scheduler(config, log):
     """Two xdist workers (pyproject's addopts): each test module whole on one worker, so its module fixtures start
     once; the orchestration package whole on one, since its modules share one app (tests/orchestration/conftest.py);
@@ -73,6 +79,8 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if path in SMALL_APP_MODULES:
+                return "tests/orchestration:small"
             return "tests/orchestration" if path.startswith("tests/orchestration/") else path
 
         def _assign_work_unit(self, node) -> None:

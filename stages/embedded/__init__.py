@@ -44,7 +44,8 @@ __all__ = [
 class EmbeddedModel:
     id: str
     stage: Literal["llm", "diffusion"]
-    recipe: str  # diffusion: "unet" | "dit" | "sdxl" | "flux" | "qwen" | "pixart" | "shapes"; LLM: a TinyLlamaSpec name
+    # diffusion: "unet" | "dit" | "sdxl" | "flux" | "qwen" | "pixart" | "shapes"; LLM: a TinyLlamaSpec name, "rewriter"
+    recipe: str
     default: bool = False  # the stage's model when its config says `model: null`
     # Trained weights (committed, `stages.embedded.shapes_training`) rather than random ones built from a seed.
     trained: bool = False
@@ -74,6 +75,10 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         EmbeddedModel("omniserve/tiny-qwen-image", "diffusion", "qwen"),
         EmbeddedModel("omniserve/tiny-pixart-dit", "diffusion", "pixart", fallback=True),
         EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama", default=True),
+        # Trained here to rewrite free prompts into the image default's words and to chat
+        # (`stages.embedded.rewriter_training`, committed); `llm.model: embedded:tiny-rewriter` serves it. Not yet the
+        # default: that needs its audit records and golden columns on every kernel path.
+        EmbeddedModel("embedded:tiny-rewriter", "llm", "rewriter", trained=True),
         EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),
     )
 }
@@ -85,7 +90,7 @@ def embedded_models(stage: str) -> tuple[str, ...]:
     the default first.
 
     Random weights are the wider test of the kernels: every value path is exercised, none learned away. The
-    trained default (diffusion) is left out; it is named by DEFAULT_MODELS.
+    trained models are left out (DEFAULT_MODELS names the diffusion default).
     """
     ids = [m.id for m in EMBEDDED_MODELS.values() if m.stage == stage and not m.trained and not m.fallback]
     return tuple(sorted(ids, key=lambda i: i != DEFAULT_MODELS[stage]))

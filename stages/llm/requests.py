@@ -81,7 +81,19 @@ class FreeRewrite:
         return completion or prompt.strip()
 
 
+class TrainedRewrite(FreeRewrite):
+    """The embedded rewriter's enhancement (`stages.embedded.rewriter_training`): trained to answer a prompt sent alone
+    with its rewrite, so no instruction is sent (it was never trained on one) and no grammar holds it."""
+
+    system_prompt = ""
+
+
 def enhancement_policy(engine: LLMEngine) -> EnhancementPolicy:
+    from stages.embedded import EMBEDDED_MODELS
+
+    entry = EMBEDDED_MODELS.get(engine.model.name)
+    if entry is not None and entry.trained:
+        return TrainedRewrite()
     if engine.model.embedded:
         from stages.embedded.llm import StyleEnhancement
 
@@ -126,7 +138,8 @@ class LLMRequests:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     def encode_enhancement(self, prompt: str) -> list[int]:
-        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": prompt}]
+        instruction = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages = [*instruction, {"role": "user", "content": prompt}]
         if getattr(self.engine.tokenizer, "chat_template", None):
             return self.encode_chat(messages)
         return list(self.engine.tokenizer.encode(f"{self.system_prompt}\n\n{prompt}\n"))

@@ -31,7 +31,7 @@ class ModelChoice:
 
 def resolve_model(model: str | None) -> ModelChoice:
     """None or "embedded" -> the default embedded LLM; "embedded:<name>" -> that registry entry; else as given."""
-    from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_models
+    from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
 
     if model is None or model == EMBEDDED:
         model = DEFAULT_MODELS["llm"]
@@ -39,7 +39,12 @@ def resolve_model(model: str | None) -> ModelChoice:
         return ModelChoice(model, model, False)
     entry = EMBEDDED_MODELS.get(model)
     if entry is None or entry.stage != "llm":
-        raise ValueError(f"unknown embedded LLM {model!r}; expected one of {list(embedded_models('llm'))}")
+        served = [m.id for m in EMBEDDED_MODELS.values() if m.stage == "llm"]
+        raise ValueError(f"unknown embedded LLM {model!r}; expected one of {served}")
+    if entry.trained:  # committed with its training record, not built
+        from stages.embedded.rewriter_training import REWRITER_PATH
+
+        return ModelChoice(str(REWRITER_PATH), entry.id, True)
     from stages.embedded.llm import ensure_tiny_llama
 
     return ModelChoice(str(ensure_tiny_llama(entry.recipe)), entry.id, True)

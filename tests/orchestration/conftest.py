@@ -4,6 +4,9 @@
           the openai client, both replicas serving identical bytes)
   "/off"  both switches off, the LLM scaled to zero (enhance_prompt=false only), a one-slot diffusion
           queue (seedless requests served with their seed returned; 503 + Retry-After when full)
+  "/small" both switches on, limits so small that any valid request renders in about a second (the schema fuzzer
+          draws requests at every bound), and the trained rewriter as its LLM (`embedded:tiny-rewriter`); started
+          by the first test that asks for it
 """
 
 import time
@@ -34,6 +37,33 @@ OFF = {
                   "max_queued": 1, "batch_wait_timeout_s": 0.0, "defaults": {"num_inference_steps": STEPS}},
     "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
 }
+
+
+SMALL = {
+    "llm": {"model": "embedded:tiny-rewriter", "batch_invariant": True, "ray_actor_options": {"num_cpus": 0.2},
+            "torch_threads": 1, "max_model_len": 256},
+    "diffusion": {
+        "batch_invariant": True,
+        "ray_actor_options": {"num_cpus": 0.2},
+        "max_pixels": 64 * 64,
+        "max_inference_steps": 8,  # the start-up self-check (the golden requests) renders up to 8
+        "defaults": {"num_inference_steps": 2},
+    },
+    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+}
+
+
+@pytest.fixture(scope="package")
+def small_server(serve_instance):
+    from ray import serve
+
+    from orchestration import build_app
+
+    serve.run(build_app(SMALL), name="small", route_prefix="/small")
+    try:
+        yield f"{serve_instance}/small"
+    finally:
+        serve.delete("small")
 
 
 @pytest.fixture(scope="package")

@@ -3,14 +3,13 @@ requests drawn from `/openapi.json` itself, as the document says they may be (ev
 its declared bounds, enums, patterns and formats). For each: no 5xx, a response the document declares (status,
 content type, body schema), and no refusal of a request the document calls valid.
 
-The app is one of its own ("/fuzz", both switches on), with limits small enough that any valid request renders
-in about a second on 2 cores (at most 64x64 pixels and 8 steps; the LLM's context 256 tokens): what is fuzzed is the
-document against the server, not the machine's speed. Derandomized: the same requests every run.
+The app is the package's "/small" (tests/orchestration/conftest.py: both switches on, limits small enough that any
+valid request renders in about a second on 2 cores: at most 64x64 pixels and 8 steps, the LLM's context 256 tokens):
+what is fuzzed is the document against the server, not the machine's speed. Derandomized: the same requests every
+run.
 """
 
-import time
 
-import hypothesis
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -19,36 +18,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 schemathesis = pytest.importorskip("schemathesis")
 
-FUZZ = {
-    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.2}, "torch_threads": 1, "max_model_len": 256},
-    "diffusion": {
-        "batch_invariant": True,
-        "ray_actor_options": {"num_cpus": 0.2},
-        "max_pixels": 64 * 64,
-        "max_inference_steps": 8,  # the start-up self-check (the golden requests) renders up to 8
-        "defaults": {"num_inference_steps": 2},
-    },
-    "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
-}
 EXAMPLES = {"POST": 80, "GET": 20}  # per operation
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(serve_instance):
-    from ray import serve
-
-    from orchestration import build_app
-
-    serve.run(build_app(FUZZ), name="fuzz", route_prefix="/fuzz")
-    try:
-        yield f"{serve_instance}/fuzz"
-    finally:
-        serve.delete("fuzz")
-
-
-@pytest.fixture(scope="module")
-def document(fuzz_server):
-    loaded = schemathesis.openapi.from_url(f"{fuzz_server}/openapi.json")
+def document(small_server):
+    loaded = schemathesis.openapi.from_url(f"{small_server}/openapi.json")
     size = loaded.raw_schema["components"]["schemas"]["ImageGenerationRequest"]["properties"]["size"]["anyOf"][0]
     schemathesis.openapi.format("image-size", image_size(size))
     return loaded
@@ -104,7 +79,7 @@ ACCEPTANCE_UNSTATABLE = {"/v1/images/edits"}
 
 
 @pytest.mark.parametrize("method,path", OPERATIONS)
-def test_every_request_the_document_calls_valid_is_served_as_the_document_says(fuzz_server, document, method, path):
+def test_every_request_the_document_calls_valid_is_served_as_the_document_says(small_server, document, method, path):
     from schemathesis.checks import not_a_server_error, positive_data_acceptance, response_schema_conformance
 
     checks = [not_a_server_error, response_schema_conformance]
@@ -121,7 +96,7 @@ def test_every_request_the_document_calls_valid_is_served_as_the_document_says(f
     @given(case=operation.as_strategy().filter(lambda case: within_declared(case.body, declared)))
     def run(case):
         try:
-            case.call_and_validate(base_url=fuzz_server, timeout=120, checks=checks)
+            case.call_and_validate(base_url=small_server, timeout=120, checks=checks)
         except Exception as failure:  # every failure collected, so one run shows them all
             failures.append(f"{case.body!r:.300}: {str(failure)[:500]}")
 
