@@ -50,6 +50,7 @@ SCOPE_SECONDS = {
     "tests/stages/test_diffusion_audit.py": 190,
     "tests/reliability/test_node_loss.py": 180,
     "tests/bench/test_app.py": 90,
+    "tests/orchestration/test_cluster_path.py": 90,
     "tests/stages/test_img2img.py": 80,
     "tests/stages/test_llm.py": 70,
     "tests/stages/test_kernels.py": 60,
@@ -67,6 +68,8 @@ SCOPE_SECONDS = {
 #: The orchestration modules that use the package's "/small" app only (tests/orchestration/conftest.py): one scope of
 #: their own, so they run beside the shared apps' modules on the other worker, which starts only the small app.
 SMALL_APP_MODULES = ("tests/orchestration/test_schema_fuzz.py", "tests/orchestration/test_rewriter_http.py")
+#: Orchestration modules that start a Ray of their own and none of the package's apps: scopes of their own.
+APART_MODULES = ("tests/orchestration/test_cluster_path.py",)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -81,6 +84,8 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             if path in SMALL_APP_MODULES:
                 return "tests/orchestration:small"
+            if path in APART_MODULES:
+                return path
             return "tests/orchestration" if path.startswith("tests/orchestration/") else path
 
         def _assign_work_unit(self, node) -> None:

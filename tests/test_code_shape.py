@@ -81,6 +81,7 @@ ONE_DEFINITION = {
     "embedded id omniserve/tiny-sd3-dit": r"[\"']omniserve/tiny-sd3-dit[\"']",
     "embedded id omniserve/tiny-shapes-sd": r"[\"']omniserve/tiny-shapes-sd[\"']",
     "embedded id embedded:tiny-llama": r"[\"']embedded:tiny-llama[\"']",
+    "embedded id embedded:tiny-rewriter": r"[\"']embedded:tiny-rewriter[\"']",
     "embedded id embedded:wide-llama": r"[\"']embedded:wide-llama[\"']",
 }
 

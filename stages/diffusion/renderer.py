@@ -265,10 +265,13 @@ class DiffusionRenderer:
 
     # --- admission of resolved params: what this model can render -------------------------------------
 
-    def resolve(self, params: DiffusionSamplingParams, *, step_engine: bool = False) -> DiffusionSamplingParams:
+    def resolve(
+        self, params: DiffusionSamplingParams, *, step_engine: bool = False, serving_limits: bool = True
+    ) -> DiffusionSamplingParams:
         """Fill unset fields with this model's defaults; refuse what exceeds the limits or this model.
 
-        A scheduler other than the model's own is chosen per sample by the step engine only.
+        A scheduler other than the model's own is chosen per sample by the step engine only. `serving_limits=False`:
+        the replica's own requests (its golden self-check), never a client's, whatever the deployment's limits.
         """
         filled = {k: v for k, v in self.defaults.items() if getattr(params, k) is None}
         if params.quality is not None:  # rendered and recorded as the steps it stands for
@@ -279,7 +282,8 @@ class DiffusionRenderer:
         if params.seed is None:
             filled["seed"] = seed_or_picked(params.seed)
         resolved = params.model_copy(update=filled) if filled else params
-        self.config.check_limits(resolved)
+        if serving_limits:
+            self.config.check_limits(resolved)
         check_renderable(self, resolved)
         if resolved.cache is not None and resolved.cache.active and not (step_engine and self.family):
             raise step_engine_only("cache", "step caching is decided per sample", self.model)

@@ -1,13 +1,14 @@
 """Embedded tiny models: real architectures built locally from a fixed seed; the one registry of their ids.
 
-No model weights can be downloaded on the machines this project targets, so every test and the embedded
-defaults build small real-architecture models on first use, cache them under `contracts.envs.cache_root()`,
-and reuse them. Building is deterministic: the same seed and library versions give the same weights. The one
-exception is the diffusion default: trained by the project (`stages.embedded.shapes_training`), committed.
+No model weights can be downloaded on the machines this project targets, so the tests build small
+real-architecture models on first use, cache them under `contracts.envs.cache_root()`, and reuse them. Building is
+deterministic: the same seed and library versions give the same weights. The exceptions are the two defaults:
+trained by the project (`stages.embedded.shapes_training`, `stages.embedded.rewriter_training`), committed.
 
     EMBEDDED_MODELS   id -> (stage, recipe): every embedded model, by the id a config or request names
-    DEFAULT_MODELS    the stage defaults (a config's `model: null`); the diffusion default is trained, not random
-                      (`stages.embedded.shapes`: it draws the shapes it was trained on, committed weights)
+    DEFAULT_MODELS    the stage defaults (a config's `model: null`); both are trained, not random, committed with
+                      their training records: the diffusion default draws shapes (`stages.embedded.shapes`), the LLM
+                      default rewrites free prompts into their words and chats (`stages.embedded.rewriter_training`)
     build_cached      the one cache builder: build aside, marker last, one atomic rename
 """
 
@@ -74,11 +75,11 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         EmbeddedModel("omniserve/tiny-flux-dit", "diffusion", "flux"),
         EmbeddedModel("omniserve/tiny-qwen-image", "diffusion", "qwen"),
         EmbeddedModel("omniserve/tiny-pixart-dit", "diffusion", "pixart", fallback=True),
-        EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama", default=True),
-        # Trained here to rewrite free prompts into the image default's words and to chat
-        # (`stages.embedded.rewriter_training`, committed); `llm.model: embedded:tiny-rewriter` serves it. Not yet the
-        # default: that needs its audit records and golden columns on every kernel path.
-        EmbeddedModel("embedded:tiny-rewriter", "llm", "rewriter", trained=True),
+        # Random weights from a seed: the audits' and benchmarks' LLM (`embedded_models`), served by name.
+        EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama"),
+        # The LLM default: the same architecture trained here to rewrite free prompts into the image default's words
+        # and to chat (`stages.embedded.rewriter_training`, committed).
+        EmbeddedModel("embedded:tiny-rewriter", "llm", "rewriter", default=True, trained=True),
         EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),
     )
 }
@@ -87,13 +88,12 @@ DEFAULT_MODELS: dict[str, str] = {m.stage: m.id for m in EMBEDDED_MODELS.values(
 
 def embedded_models(stage: str) -> tuple[str, ...]:
     """Every random-weight embedded model id of `stage` the step engine drives (the audits' and benchmarks' models),
-    the default first.
+    in registry order.
 
     Random weights are the wider test of the kernels: every value path is exercised, none learned away. The
-    trained models are left out (DEFAULT_MODELS names the diffusion default).
+    trained models, both defaults among them, are left out (DEFAULT_MODELS names them).
     """
-    ids = [m.id for m in EMBEDDED_MODELS.values() if m.stage == stage and not m.trained and not m.fallback]
-    return tuple(sorted(ids, key=lambda i: i != DEFAULT_MODELS[stage]))
+    return tuple(m.id for m in EMBEDDED_MODELS.values() if m.stage == stage and not m.trained and not m.fallback)
 
 
 def embedded_adapters(model: str) -> str | None:

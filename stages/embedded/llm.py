@@ -227,13 +227,11 @@ def build_tokenizer(spec: TinyLlamaSpec):
     return fast
 
 
-def _build(spec: TinyLlamaSpec, out: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(spec: TinyLlamaSpec, tokenizer):
+    """The LlamaConfig of `spec` over `tokenizer` (the embedded Llamas, random and trained alike)."""
+    from transformers import LlamaConfig
 
-    tokenizer = build_tokenizer(spec)
-    tokenizer.save_pretrained(out)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),  # exactly the tokenizer's: no id the model emits is undecodable
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -248,6 +246,15 @@ def _build(spec: TinyLlamaSpec, out: Path) -> None:
         tie_word_embeddings=False,
         dtype="float32",
     )
+
+
+def _build(spec: TinyLlamaSpec, out: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    tokenizer = build_tokenizer(spec)
+    tokenizer.save_pretrained(out)
+    config = llama_config(spec, tokenizer)
     # Fork the global RNG so building never disturbs the caller's random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)

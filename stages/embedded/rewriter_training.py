@@ -55,7 +55,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from .llm import BOS, CHAT_TEMPLATE, EOS, PAD, ROLE_TOKENS, TINY, weights_fingerprint
+from .llm import BOS, CHAT_TEMPLATE, EOS, PAD, ROLE_TOKENS, TINY, llama_config, weights_fingerprint
 from .shapes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, caption, with_article
 
 #: Where the committed, trained model lives.
@@ -538,25 +538,10 @@ def encode(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[i
 def llama(tokenizer, seed: int):
     """TINY's LlamaForCausalLM over this tokenizer, its weights drawn from `seed`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),  # exactly the tokenizer's: no id the model emits is undecodable
-        hidden_size=TINY.hidden_size,
-        intermediate_size=TINY.intermediate_size,
-        num_hidden_layers=TINY.num_hidden_layers,
-        num_attention_heads=TINY.num_attention_heads,
-        num_key_value_heads=TINY.num_key_value_heads,
-        head_dim=TINY.head_dim,
-        max_position_embeddings=TINY.max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(llama_config(TINY, tokenizer))
 
 
 # --- training ------------------------------------------------------------------------------------

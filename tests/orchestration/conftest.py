@@ -5,8 +5,9 @@
   "/off"  both switches off, the LLM scaled to zero (enhance_prompt=false only), a one-slot diffusion
           queue (seedless requests served with their seed returned; 503 + Retry-After when full)
   "/small" both switches on, limits so small that any valid request renders in about a second (the schema fuzzer
-          draws requests at every bound), and the trained rewriter as its LLM (`embedded:tiny-rewriter`); started
-          by the first test that asks for it
+          draws requests at every bound) and a short LLM context; started by the first test that asks for it
+
+Every app serves the embedded defaults: the trained shapes model and the trained rewriter (`stages.embedded`).
 """
 
 import time
@@ -40,13 +41,13 @@ OFF = {
 
 
 SMALL = {
-    "llm": {"model": "embedded:tiny-rewriter", "batch_invariant": True, "ray_actor_options": {"num_cpus": 0.2},
+    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.2},
             "torch_threads": 1, "max_model_len": 256},
     "diffusion": {
         "batch_invariant": True,
         "ray_actor_options": {"num_cpus": 0.2},
         "max_pixels": 64 * 64,
-        "max_inference_steps": 8,  # the start-up self-check (the golden requests) renders up to 8
+        "max_inference_steps": 8,
         "defaults": {"num_inference_steps": 2},
     },
     "ingress": {"ray_actor_options": {"num_cpus": 0.05}},

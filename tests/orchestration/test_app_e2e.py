@@ -62,7 +62,7 @@ def test_health_reports_switches_kernels_and_replica_counts(http):
 def test_models_lists_both_stages_in_openai_format(http):
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
-    assert {m["stage"]: m["id"] for m in models["data"]} == {"llm": "embedded:tiny-llama", "diffusion": "omniserve/tiny-shapes-sd"}
+    assert {m["stage"]: m["id"] for m in models["data"]} == {"llm": "embedded:tiny-rewriter", "diffusion": "omniserve/tiny-shapes-sd"}
 
 
 def test_switches_appear_in_every_response_body_and_header(http):
@@ -126,31 +126,39 @@ def test_embedded_default_serves_64_and_128_pixel_images(http):
 
 
 def test_the_default_draws_the_prompt_and_the_rewrite_changes_what_it_draws(http):
+    """The default LLM (the trained rewriter) says a free prompt in the image model's words, and the picture follows
+    the rewrite: its colours, its size and where it puts the shape."""
     import io
 
     import numpy as np
     from PIL import Image
 
+    from stages.embedded.rewriter_training import keeps_words
     from stages.embedded.shapes import CENTRE, Scene, centroid, drawn_area, drawn_as_said
 
-    prompt = "a red circle on a blue background"  # a triple the model never saw in training
+    from .test_rewriter_http import CAPTION
+
+    prompt = "a tiny red ball on the left under a blue sky"  # red circle on blue: a triple the image model never saw
     plain = generate(http, prompt=prompt, seed=7, enhance_prompt=False, num_inference_steps=8)["data"][0]
     assert plain["revised_prompt"] == prompt
     enhanced = generate(http, prompt=prompt, seed=7, num_inference_steps=8)["data"][0]
-    size, position = enhanced["revised_prompt"].removeprefix(prompt + ", ").split(", ")  # the rewrite's own words
+    revised = enhanced["revised_prompt"]
+    said = CAPTION.fullmatch(revised)
+    assert said and keeps_words(prompt, revised), revised
+    scene = Scene(**said.groupdict())
     drawn, redrawn = (np.asarray(Image.open(io.BytesIO(png(item))).convert("RGB")) for item in (plain, enhanced))
-    assert drawn_as_said(drawn, Scene("circle", "red", "blue")) and drawn_as_said(redrawn, Scene("circle", "red", "blue"))
     assert png(plain) != png(enhanced)
-    if size == "small":  # both rewrite words show: the size ...
-        assert 2 * drawn_area(redrawn, "blue") < drawn_area(drawn, "blue"), enhanced["revised_prompt"]
-    x, y = centroid(redrawn, "blue")  # ... and the position: the shape is nearest where its word puts it
-    assert min(CENTRE, key=lambda word: (CENTRE[word][0] - x) ** 2 + (CENTRE[word][1] - y) ** 2) == position, (x, y)
+    assert drawn_as_said(redrawn, scene), revised
+    if scene.size == "small":  # the size the rewrite says shows ...
+        assert drawn_area(redrawn, scene.background) < 0.1 * redrawn.shape[0] * redrawn.shape[1], revised
+    x, y = centroid(redrawn, scene.background)  # ... and so does where: the shape is nearest where its word puts it
+    assert min(CENTRE, key=lambda word: (CENTRE[word][0] - x) ** 2 + (CENTRE[word][1] - y) ** 2) == scene.position, (x, y)
 
 
 def test_the_served_default_draws_a_red_circle_on_a_blue_background_where_it_is_said(http):
     """Issue 15's check through the app at its embedded defaults (8 steps, as `make serve` renders): the prompt as
     written (enhance_prompt false) is red in the middle and blue in the corners for at least 8 of 10 seeds; the
-    default rewrite adds a size and a position, and the circle goes where the revised prompt puts it."""
+    default rewrite says it with a size and a position, and the circle goes where the revised prompt puts it."""
     import io
 
     import numpy as np
@@ -401,7 +409,7 @@ def test_openai_client_generates_images_and_chats_unchanged(server, http):
     with pytest.raises(openai.BadRequestError) as refused:
         client.images.generate(prompt="a red fox", size="64x64")
     assert refused.value.status_code == 400 and "seed" in str(refused.value)
-    chat = client.chat.completions.create(model="embedded:tiny-llama", messages=CHAT["messages"], max_tokens=8, seed=3)
+    chat = client.chat.completions.create(model="embedded:tiny-rewriter", messages=CHAT["messages"], max_tokens=8, seed=3)
     assert chat.choices[0].message.role == "assistant" and chat.model_extra["seed"] == 3
 
 

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def lora_server(server, tmp_path_factory):
 
     from orchestration import build_app
     from stages.embedded.diffusion import load_tiny_pipeline
-    from stages.embedded.llm import ensure_tiny_llama
+    from stages.llm.settings import resolve_model
     from tests.stages.test_llm_lora import peft_adapter
 
     directory = tmp_path_factory.mktemp("loras")
@@ -70,7 +71,7 @@ def lora_server(server, tmp_path_factory):
             glow[f"unet.{path}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=gen) * 0.3
     save_file(glow, str(directory / "glow.safetensors"))
     llm_directory = tmp_path_factory.mktemp("llm-loras")
-    peft_adapter(ensure_tiny_llama(), llm_directory / "terse", 1)
+    peft_adapter(Path(resolve_model(None).path), llm_directory / "terse", 1)  # for the LLM default
     started = time.monotonic()
     serve.run(build_app(app_config(True, str(directory), str(llm_directory))), name="lora", route_prefix="/lora")
     serve.run(build_app(app_config(False, str(directory))), name="lora-off", route_prefix="/lora-off")
@@ -162,7 +163,7 @@ def test_a_chat_completion_with_an_llm_adapter_differs_names_it_and_an_unknown_o
     messages = [{"role": "user", "content": "a cat, watercolor"}]
 
     def chat(**extra):
-        return client.chat.completions.create(model="embedded:tiny-llama", messages=messages, max_tokens=12,
+        return client.chat.completions.create(model="embedded:tiny-rewriter", messages=messages, max_tokens=12,
                                               temperature=0.0, extra_body=extra)
 
     plain, adapted = chat(), chat(lora="terse")

@@ -1,7 +1,7 @@
-"""The embedded rewriter through the app ("/small": both switches on, vLLM serving the committed model): free prompts it
-never saw come back rewritten into the image model's words, keeping their colour and shape words, and the picture
-shows them (issue 15's pixel statistics: the border's colour is the background's, most of what is drawn is the
-shape's colour); chat answers in readable words."""
+"""The default LLM, the embedded rewriter, through the app ("/small": both switches on, vLLM serving the committed
+model): free prompts it never saw come back rewritten into the image model's words, keeping their colour and shape
+words, and the picture shows them (issue 15's pixel statistics: the border's colour is the background's, most of what
+is drawn is the shape's colour); chat answers in readable words."""
 
 import base64
 import io

@@ -212,9 +212,11 @@ def test_llm_engine_settings_come_from_the_config_whole():
 
 def test_llm_model_resolution_embedded_default_and_pass_through(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
-    default = resolve_model(None)
-    assert default.embedded and default.name == "embedded:tiny-llama" and Path(default.path).is_dir()
-    assert resolve_model("embedded") == resolve_model("embedded:tiny-llama") == default
+    default = resolve_model(None)  # the trained default: committed, never built into the cache
+    assert default.embedded and default.name == "embedded:tiny-rewriter" and Path(default.path).is_dir()
+    assert resolve_model("embedded") == resolve_model("embedded:tiny-rewriter") == default
+    random_weights = resolve_model("embedded:tiny-llama")  # built from its seed into the cache
+    assert random_weights.embedded and Path(random_weights.path).is_relative_to(tmp_path)
     assert resolve_model("org/some-instruct-model") == ModelChoice("org/some-instruct-model", "org/some-instruct-model", False)
     with pytest.raises(ValueError, match="unknown embedded"):
         resolve_model("embedded:nope")

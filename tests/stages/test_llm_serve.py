@@ -1,4 +1,8 @@
-"""The LLM stage in a real local Ray Serve deployment, on the real vLLM engine (embedded tiny Llama)."""
+"""The LLM stage in a real local Ray Serve deployment, on the real vLLM engine (embedded tiny Llama).
+
+The random-weight `embedded:tiny-llama`, served by name, not the trained default: random weights are the wider test of
+the kernels, and by name it rewrites through the grammar (`StyleEnhancement`), the one deployment that serves that
+path. The default (`embedded:tiny-rewriter`) is served over HTTP by tests/orchestration (test_app_e2e, test_rewriter_http)."""
 
 import asyncio
 import re
@@ -13,10 +17,13 @@ from contracts.errors import InvalidRequestError
 from contracts.results import Completion, RevisedPrompt, StageDescription
 from stages.audit.llm import TARGETS as AUDIT_TARGETS
 from stages.audit.llm import count_differences
+from stages.embedded import embedded_models
 from stages.embedded.llm import POSITIONS, SIZES, TINY, WIDE, ensure_tiny_llama
 from stages.llm import LLMStage
 
 pytestmark = pytest.mark.slow
+
+TINY_ID = embedded_models("llm")[0]  # embedded:tiny-llama
 
 TARGET = ("a cat sitting on a garden wall", {"seed": 42, "temperature": 1.0, "top_p": 0.95, "logprobs": 3})
 WELL_FORMED = re.compile(
@@ -31,7 +38,8 @@ def deploy(name: str, config: LLMStageConfig):
 
 @pytest.fixture(scope="module")
 def invariant(serve_instance):
-    yield deploy("llm-invariant", LLMStageConfig(batch_invariant=True, ray_actor_options={"num_cpus": 0.5}))
+    config = LLMStageConfig(model=TINY_ID, batch_invariant=True, ray_actor_options={"num_cpus": 0.5})
+    yield deploy("llm-invariant", config)
     serve.delete("llm-invariant")
 
 
@@ -146,7 +154,7 @@ def test_llm_enhancement_is_well_formed_prompt_text(invariant):
         assert match["subject"] == "a red fox in the snow"
         assert result.finish_reason == "stop" and result.structured_output
         assert len(result.logprobs) == len(result.token_ids) > 0
-        assert result.seed == seed and result.model == "embedded:tiny-llama"
+        assert result.seed == seed and result.model == TINY_ID
         assert result.params.seed == seed and result.top_logprobs is None
 
 

@@ -35,11 +35,12 @@ def model():
     )
 
 
-def test_the_trained_rewriter_is_served_by_name_and_its_record_describes_the_committed_weights():
+def test_the_trained_rewriter_is_the_llm_default_and_its_record_describes_the_committed_weights():
     from stages.llm.settings import resolve_model
 
-    assert EMBEDDED_MODELS["embedded:tiny-rewriter"].trained and DEFAULT_MODELS["llm"] != "embedded:tiny-rewriter"
-    choice = resolve_model("embedded:tiny-rewriter")
+    assert EMBEDDED_MODELS["embedded:tiny-rewriter"].trained and DEFAULT_MODELS["llm"] == "embedded:tiny-rewriter"
+    choice = resolve_model(None)
+    assert choice == resolve_model("embedded:tiny-rewriter")
     assert choice.embedded and choice.path == str(REWRITER_PATH)
     record = json.loads((REWRITER_PATH / RECORD).read_text())
     assert record["weights_sha256"] == weights_fingerprint(REWRITER_PATH)
