@@ -69,6 +69,7 @@ from contracts.http import (
 )
 from contracts.images import check_image_bytes
 
+from .drain import Drain, DrainGate
 from .errors import HTTPError, client_error, http_error
 from .health import HealthResponse
 from .metrics import RequestMetrics
@@ -314,8 +315,11 @@ async def chat_events(ingress: Ingress, request: ChatCompletionRequest, timeout_
     )
 
 
-def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any]) -> None:
-    """The switch headers on every response, the request metrics, and OpenAI's error shape for FastAPI's own errors."""
+def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any], drain: Drain) -> None:
+    """The switch headers on every response, the request metrics, OpenAI's error shape for FastAPI's own errors, and
+    the drain's refusals (`orchestration.drain`)."""
+
+    api.add_middleware(DrainGate, drain=drain)  # innermost: a refusal still gets the headers and is counted
 
     @api.middleware("http")
     async def switch_headers(request: Request, call_next) -> Response:
@@ -368,7 +372,7 @@ def build_api(ingress: Ingress) -> FastAPI:
         except Exception as exc:
             return error_response(http_error(exc))
 
-    _answer_every_request_alike(api, ingress.switch_headers)
+    _answer_every_request_alike(api, ingress.switch_headers, ingress.drain)
 
     @api.post("/v1/images/generations", response_model=ImagesResponse, responses={**ERRORS, **STREAMED})
     async def images_generations(body: ImageGenerationRequest, request: Request):

@@ -36,8 +36,10 @@ from contracts.http import (
 )
 from contracts.invariance import STAGES, Stage
 from contracts.results import Completion
+from stages import replica_id
 
 from .config import AppConfig
+from .drain import Drain
 from .health import HealthProbe, HealthResponse
 from .image_store import ImageLinks
 from .openapi import ServedDocument
@@ -68,6 +70,8 @@ class Ingress:
         self.probe = HealthProbe(self.handles, config)
         self._served_models: dict[str, str] = {}
         self.document = ServedDocument(config)
+        self.drain = Drain(replica_id())
+        self.drain.start()
 
     def __serve_build_asgi_app__(self):
         from .api import build_api

@@ -50,8 +50,10 @@ SCOPE_SECONDS = {
     "tests/stages/test_diffusion_audit.py": 190,
     "tests/reliability/test_node_loss.py": 180,
     "tests/bench/test_app.py": 90,
+    "tests/orchestration/test_autoscaling.py": 120,
     "tests/orchestration/test_cluster_path.py": 90,
     "tests/stages/test_img2img.py": 80,
+    "tests/stages/test_parallel_render.py": 60,
     "tests/stages/test_llm.py": 70,
     "tests/stages/test_kernels.py": 60,
     "tests/reliability/test_replica_loss.py": 60,
@@ -68,8 +70,9 @@ SCOPE_SECONDS = {
 #: The orchestration modules that use the package's "/small" app only (tests/orchestration/conftest.py): one scope of
 #: their own, so they run beside the shared apps' modules on the other worker, which starts only the small app.
 SMALL_APP_MODULES = ("tests/orchestration/test_schema_fuzz.py", "tests/orchestration/test_rewriter_http.py")
-#: Orchestration modules that start a Ray of their own and none of the package's apps: scopes of their own.
-APART_MODULES = ("tests/orchestration/test_cluster_path.py",)
+#: Orchestration modules that use none of the package's apps (their own app, or a Ray of their own): scopes of their
+#: own, so a worker that has the package's apps running is not also given theirs.
+APART_MODULES = ("tests/orchestration/test_cluster_path.py", "tests/orchestration/test_autoscaling.py")
 
 
 def pytest_xdist_make_scheduler(config, log):

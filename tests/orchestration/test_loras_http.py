@@ -14,7 +14,6 @@ import asyncio
 import base64
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from safetensors.torch import save_file
 
 from cli.main import main
 from contracts.provenance import read_record
+from stages.embedded import embedded_models
 from stages.embedded.shapes_lora import ADAPTERS_PATH
 
 from .conftest import TIMEOUT_S
@@ -29,6 +29,7 @@ from .test_stream_and_cli import edited
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+LLM = embedded_models("llm")[0]  # embedded:tiny-llama
 STEPS = 8  # long enough that four concurrent requests meet in the engine's batch
 PROMPT = "a red circle on a blue background"
 #: Adapter A (the target), B, A then B, none: (lora, seed).
@@ -43,7 +44,8 @@ MIXED = [
 def app_config(invariant: bool, lora_dir: str, llm_lora_dir: str | None = None) -> dict:
     """An app of one diffusion replica with the adapters of `lora_dir`; its LLM scaled to zero, or with
     `llm_lora_dir` one LLM replica serving those adapters."""
-    llm = ({"num_replicas": 1, "lora_dir": llm_lora_dir, "torch_threads": 1} if llm_lora_dir else
+    # The random-weight Llama (by name): a random adapter moves its tokens; the trained default's are too sure to.
+    llm = ({"num_replicas": 1, "lora_dir": llm_lora_dir, "torch_threads": 1, "model": LLM} if llm_lora_dir else
            {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}})
     return {
         "llm": {"batch_invariant": invariant, "ray_actor_options": {"num_cpus": 0.1}, **llm},
@@ -59,7 +61,7 @@ def lora_server(server, tmp_path_factory):
 
     from orchestration import build_app
     from stages.embedded.diffusion import load_tiny_pipeline
-    from stages.llm.settings import resolve_model
+    from stages.embedded.llm import ensure_tiny_llama
     from tests.stages.test_llm_lora import peft_adapter
 
     directory = tmp_path_factory.mktemp("loras")
@@ -71,7 +73,7 @@ def lora_server(server, tmp_path_factory):
             glow[f"unet.{path}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=gen) * 0.3
     save_file(glow, str(directory / "glow.safetensors"))
     llm_directory = tmp_path_factory.mktemp("llm-loras")
-    peft_adapter(Path(resolve_model(None).path), llm_directory / "terse", 1)  # for the LLM default
+    peft_adapter(ensure_tiny_llama(), llm_directory / "terse", 1)
     started = time.monotonic()
     serve.run(build_app(app_config(True, str(directory), str(llm_directory))), name="lora", route_prefix="/lora")
     serve.run(build_app(app_config(False, str(directory))), name="lora-off", route_prefix="/lora-off")
@@ -163,7 +165,7 @@ def test_a_chat_completion_with_an_llm_adapter_differs_names_it_and_an_unknown_o
     messages = [{"role": "user", "content": "a cat, watercolor"}]
 
     def chat(**extra):
-        return client.chat.completions.create(model="embedded:tiny-rewriter", messages=messages, max_tokens=12,
+        return client.chat.completions.create(model=LLM, messages=messages, max_tokens=12,
                                               temperature=0.0, extra_body=extra)
 
     plain, adapted = chat(), chat(lora="terse")

@@ -101,10 +101,12 @@ def test_the_ingress_middleware_counts_each_answer_by_its_route_template_and_sta
 
 def test_a_retried_stage_call_is_counted_with_its_call_and_cause(recorded):
     from ray.exceptions import ActorUnavailableError
+    from ray.serve.exceptions import ReplicaUnavailableError
 
     from orchestration.retries import Retrying
 
-    failures = iter([ActorUnavailableError("the replica is gone", None)])
+    # Serve's ReplicaUnavailableError (its replica died under the call) is no RayActorError: retried all the same.
+    failures = iter([ActorUnavailableError("the replica is gone", None), ReplicaUnavailableError("gone too")])
 
     async def send():
         failure = next(failures, None)
@@ -113,7 +115,8 @@ def test_a_retried_stage_call_is_counted_with_its_call_and_cause(recorded):
         return "rendered"
 
     assert asyncio.run(Retrying(3, 0.0).call("a render", send)) == "rendered"
-    assert recorded == [("omniserve_retries_total", 1.0, {"call": "a render", "cause": "ActorUnavailableError"})]
+    assert recorded == [("omniserve_retries_total", 1.0, {"call": "a render", "cause": cause})
+                        for cause in ("ActorUnavailableError", "ReplicaUnavailableError")]
 
 
 # --- the Grafana dashboard ---------------------------------------------------------------------------

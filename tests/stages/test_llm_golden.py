@@ -110,7 +110,9 @@ def test_the_canonical_requests_repeat_bit_for_bit_and_co_batching_changes_no_ta
         "solo", "co-batched target", "co-batched neighbour 1", "co-batched neighbour 2")}
     for sampling in ("greedy", "seeded"):
         assert first[f"{sampling} solo"] == first[f"{sampling} co-batched target"]
-    assert first["greedy solo"] != first["seeded solo"]  # the cases are distinct requests, not one output
+        # Distinct requests, distinct digests: the cases are not one output. (Greedy and seeded are one output for
+        # the trained default: sampled at temperature 1 it writes its greedy answer, measured on 6 prompts.)
+        assert len({first[f"{sampling} {case}"] for case in ("solo", "co-batched neighbour 1", "co-batched neighbour 2")}) == 3
     assert all(len(digest) == 64 for digest in first.values())
 
 

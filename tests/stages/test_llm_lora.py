@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from contracts.config import LLMStageConfig
+from stages.embedded import embedded_models
 from contracts.sampling import LLMSamplingParams
 from stages.llm.engine import LLMEngine
 from stages.llm.lora import LlmLoraNotFoundError
@@ -61,7 +62,10 @@ def run(invariant: bool, lora_dir, body):
     async def main():
         # Two slots for the two adapters: every slot holds one, as on a busy server, so a plain request's slot -1
         # (the last) is an adapter's (stages.kernels.vllm_cpu.mask_unadapted_lora_tokens).
-        config = LLMStageConfig(batch_invariant=invariant, torch_threads=1, lora_dir=str(lora_dir), max_loras=2)
+        # The random-weight Llama its adapters were made for: a random adapter moves its tokens (the trained default's
+        # greedy answers are too sure to move, measured).
+        config = LLMStageConfig(model=embedded_models("llm")[0], batch_invariant=invariant, torch_threads=1,
+                                lora_dir=str(lora_dir), max_loras=2)
         engine = LLMEngine(config)
         await engine.start()
         try:
