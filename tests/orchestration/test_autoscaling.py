@@ -102,14 +102,14 @@ def test_a_stepped_load_scales_the_diffusion_stage_up_and_down_losing_nothing_an
     sampler.start()
     try:
         answers = load(autoscaled, 12, 25) + load(autoscaled, 3, 15)
-        deadline = time.monotonic() + 60
-        while diffusion_replicas() > 1 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while (final := diffusion_replicas()) > 1 and time.monotonic() < deadline:
             time.sleep(1)
     finally:
         sampling.set()
         sampler.join()
     peak = max(counts)
-    assert peak >= 2 and counts[-1] == 1, counts  # rose under 12 clients, back to the minimum after
+    assert peak >= 2 and final == 1, (counts, final)  # rose under 12 clients, back to the minimum after
     changed = [(BODIES[i]["seed"], image["replica"]) for i, image in answers
                if image["sha256"] != reference[i]["sha256"]]
     assert not changed, changed

@@ -33,6 +33,7 @@ from contracts.errors import (
 )
 from contracts.http import BODY_RULES, MAX_JSON_BODY_BYTES, ImagesResponse
 from contracts.invariance import SeedContractError
+from orchestration.drain import Drain
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from orchestration.errors import http_error
 
@@ -184,6 +185,7 @@ class StubIngress:
 
     config = SimpleNamespace(ingress=SimpleNamespace(request_timeout_s=5))
     switch_headers = {"X-Omni-Batch-Invariant-LLM": "true", "X-Omni-Batch-Invariant-Diffusion": "true"}
+    drain = Drain("stub")  # never told to drain: every request admitted
     failure: BaseException | None = None
 
     async def images(self, request):
