@@ -38,6 +38,8 @@ def _diffusion_report(args: argparse.Namespace, command: list[str]) -> dict:
     from stages.audit.diffusion import run_diffusion_audit
     from stages.embedded import embedded_models
 
+    if args.parallel:
+        return _parallel_report(args, command)
     return run_diffusion_audit(
         _audited_models(args) or embedded_models("diffusion"),
         picture_path=args.picture,
@@ -51,6 +53,35 @@ def _diffusion_report(args: argparse.Namespace, command: list[str]) -> dict:
         path=args.path,
         torch_threads=args.torch_threads,
     )
+
+
+def _parallel_report(args: argparse.Namespace, command: list[str]) -> dict:
+    from stages.audit.parallel import DIT_MODELS, run_parallel_audit
+
+    if args.picture or args.path != "engine" or args.batch_sizes != list(range(1, 9)):
+        _log("--parallel renders one request on the step engine's family: --picture, --path, --batch-sizes unused")
+    cfg, sp = args.parallel
+    return run_parallel_audit(
+        _audited_models(args) or DIT_MODELS,
+        cfg=cfg,
+        sp=sp,
+        kernels=args.kernels,
+        dtype=args.dtype,
+        steps=args.steps,
+        size=args.size,
+        torch_threads=args.torch_threads,
+        command=command,
+        log=_log,
+    )
+
+
+def _degrees(text: str) -> tuple[int, int]:
+    from stages.audit.parallel import parse_degrees
+
+    try:
+        return parse_degrees(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _llm_report(args: argparse.Namespace, command: list[str]) -> dict:
@@ -296,6 +327,13 @@ def _audit_stage_arguments(parser) -> None:
         default="engine",
         help="engine: the step engine that serves (neighbours of other steps and guidance); "
         "pipeline: the diffusers pipeline on whole-request batches",
+    )
+    diffusion.add_argument(
+        "--parallel",
+        type=_degrees,
+        metavar="cfg=N,sp=N",
+        help="one guided request rendered by gloo workers (SD3 DiTs): CFG parallel, Ulysses sequence parallel or "
+        "both, each grid against the single worker, bit for bit; records carry the degree",
     )
     llm = parser.add_argument_group("LLM stage")
     llm.add_argument("--targets", type=_words, default=list(TARGETS), help=f"of {','.join(TARGETS)}")

@@ -54,7 +54,8 @@ def build_record(report: dict, entry: dict) -> tuple[ScopeRecord | None, str]:
     both thread counts gave the same bits run for run: then this configuration computes exactly what was shown
     invariant against a control that could fail."""
     threads = entry["configuration"].get("torch_threads")
-    runs = [r for r in report["runs"] if r["model"] == entry["model"]]
+    # A parallel audit's entry is one grid's ("parallel": "cfg2"): its runs are that grid's, its control too.
+    runs = [r for r in report["runs"] if r["model"] == entry["model"] and r.get("parallel") == entry.get("parallel")]
     control = [r for r in runs if r["kernels"] == "off" and _threads(r, threads) == threads]
     invariant = [r for r in runs if r["kernels"] == "on" and _threads(r, threads) == threads]
     if not control or not invariant:
@@ -111,9 +112,10 @@ def record_report(report: dict, directory: Path, log=print) -> bool:
     recorded = bool(entries)
     for entry in entries:
         record, why = build_record(report, entry)
+        name = " ".join(filter(None, (entry["model"], entry.get("parallel"))))
         if record is None:
-            log(f"NOT RECORDED ({entry['model']}): {why}")
+            log(f"NOT RECORDED ({name}): {why}")
             recorded = False
         else:
-            log(f"recorded {entry['model']}: {write_record(record, directory)}")
+            log(f"recorded {name}: {write_record(record, directory)}")
     return recorded

@@ -119,7 +119,26 @@ def markdown_table(report: dict) -> str:
             f"| {stage} | {model} | {dtype} | {detail} | {kernels} | {len(runs)} | {sizes[0]}..{sizes[-1]} | "
             f"{', '.join(orderings)} | {len(differ)} | {worst} of {total} | {verdict} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _parallel_lines(report["runs"])) + "\n"
+
+
+def _parallel_lines(runs: list[dict]) -> list[str]:
+    """A parallel audit's (stages/audit/parallel.py) costs: what each grid's collectives move, and its time."""
+    parallel = [r for r in runs if "bytes_per_step" in r]
+    if not parallel:
+        return []
+    lines = [
+        "",
+        "| model | grid | kernels | bytes sent per step | collectives per step | denoise s per step (this grid / one worker) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in parallel:
+        calls = ", ".join(f"{n} {kind}" for kind, n in sorted(r["calls_per_step"].items())) or "none"
+        lines.append(
+            f"| {r['model']} | {r['parallel']} | {r['kernels']} | {r['bytes_per_step']:,} | {calls} | "
+            f"{r['denoise_s_per_step']:.3f} / {r['reference_denoise_s_per_step']:.3f} |"
+        )
+    return lines
 
 
 def write_outputs(report: dict, json_path: str | None, markdown_path: str | None) -> None:

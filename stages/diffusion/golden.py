@@ -37,7 +37,7 @@ NEIGHBOURS = (
 EDIT = ("a purple triangle on a grey background", {"seed": 5, "num_inference_steps": 4, "strength": 0.6, **SIZE})
 
 
-def _digest(image: Any) -> str:
+def image_digest(image: Any) -> str:
     import numpy as np
 
     return hashlib.sha256(np.ascontiguousarray(image, dtype=np.float32).tobytes()).hexdigest()
@@ -69,12 +69,12 @@ def diffusion_digests(renderer, engine) -> dict[str, str]:
     picture = renderer.pipe.image_processor.preprocess(edit_picture())
     edited = engine.render([sample(*EDIT, image=picture)])
     return {
-        "solo": _digest(solo[0]),
-        "co-batched target": _digest(batch[1]),
-        "co-batched neighbour 1": _digest(batch[0]),
-        "co-batched neighbour 2": _digest(batch[2]),
-        "n=2 image 1": _digest(second[0]),
-        "edit": _digest(edited[0]),
+        "solo": image_digest(solo[0]),
+        "co-batched target": image_digest(batch[1]),
+        "co-batched neighbour 1": image_digest(batch[0]),
+        "co-batched neighbour 2": image_digest(batch[2]),
+        "n=2 image 1": image_digest(second[0]),
+        "edit": image_digest(edited[0]),
     }
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import pickle
 import tempfile
 import time
@@ -52,7 +51,8 @@ from contracts.cpu import hold_process_to_path
 from contracts.sampling import DiffusionSamplingParams
 
 from .engine import Sample, StepEngine
-from .engine.families import DiTFamily, _guided
+from .engine.families import DiTFamily, guided
+from .golden import image_digest
 from .renderer import DiffusionRenderer
 
 #: The degrees rendered and tested: CFG has two branches; SP 2 splits the tiny DiT's 4 heads and its 16 image tokens
@@ -207,7 +207,35 @@ def denoise(family: DiTFamily, comms: Collectives, samples: list[Sample]) -> lis
         return family.denoise(samples)  # the step engine's call
     branches = family.denoise([_branch(s, comms.cfg_rank) for s in samples])
     gathered = [comms.gather(rows, comms.cfg_group, comms.cfg, dim=0) for rows in branches]
-    return [_guided(s, rows) for s, rows in zip(samples, gathered, strict=True)]
+    return [guided(s, rows) for s, rows in zip(samples, gathered, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class DiTLayout:
+    """What the collectives' volume follows: an SD3 DiT's attention and one guided request's tokens (2 rows)."""
+
+    heads: int
+    head_dim: int
+    blocks: int  # joint blocks; the last drops its text stream (SD3's context_pre_only): no text to gather there
+    image_tokens: int  # latent patches
+    text_tokens: int  # 77 CLIP + the T5 positions (SD3: 256, zeros without T5)
+    patch_values: int  # the output projection's values per image token: patch side squared times latent channels
+    element_bytes: int = 4
+
+    def bytes_per_step(self, cfg: int, sp: int) -> int:
+        """What one denoising step's collectives send, every worker's sends to other workers summed."""
+        rows, size = 2 // cfg, self.element_bytes  # a worker's rows in a call: its branch's, or both
+        image, heads, dim = self.image_tokens, self.heads, self.head_dim
+        total = sp * cfg * (cfg - 1) * rows * image * self.patch_values * size  # each branch's prediction, to the other
+        if sp > 1:  # all-to-all: of what a worker holds, the (sp - 1) / sp that other workers own
+            worker = (
+                self.blocks * 3 * rows * (image // sp) * heads * dim * (sp - 1) // sp  # q, k, v: my tokens, by heads
+                + self.blocks * rows * (heads // sp) * image * dim * (sp - 1) // sp  # attention back: my heads' tokens
+                + (self.blocks - 1) * rows * (heads // sp) * self.text_tokens * dim * (sp - 1)  # text, by heads
+                + rows * (image // sp) * self.patch_values * (sp - 1)  # the output projection's tokens, to unpatchify
+            )
+            total += cfg * sp * worker * size
+        return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +251,7 @@ class ParallelJob:
     kernels: tuple[bool, ...] = (True,)
     step_engine: bool = False  # also render through the step engine on rank 0, to compare with grid (1, 1)
     torch_threads: int = 1
+    dtype: str = "float32"
     timeout_s: float = 600.0
 
     @property
@@ -247,10 +276,12 @@ class ParallelRender:
     calls_per_step: dict[str, int]  # collectives per step, on rank 0
     step_engine_image: np.ndarray | None = None  # grid (1, 1) when asked: the step engine's image of the request
     launch_s: float = 0.0  # the whole launch, as its caller waited for it: start, loads, every render, exit
+    # Rank 0's `stages.scope.Configuration` (JSON), its engine naming the grid: what an audit's scope record carries.
+    configuration: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(np.ascontiguousarray(self.image, dtype=np.float32).tobytes()).hexdigest()
+        return image_digest(self.image)
 
 
 def _switch(kernels: bool) -> None:
@@ -296,7 +327,20 @@ def _render(renderer: DiffusionRenderer, comms: Collectives, job: ParallelJob) -
         "render_s": time.perf_counter() - started,
         "sent_per_step": (comms.sent - sent) // steps,
         "calls_per_step": {kind: (n - calls[kind]) // steps for kind, n in comms.calls.items() if n > calls[kind]},
+        "configuration": _configuration(renderer, comms) if comms.rank == 0 else {},
     }
+
+
+def _configuration(renderer: DiffusionRenderer, comms: Collectives) -> dict[str, Any]:
+    """The render's configuration as a replica's would be described, its engine naming the grid when there is one:
+    a record of a parallel render matches a replica that renders on that grid, never a single-worker one."""
+    from stages.scope import diffusion_configuration
+
+    configuration = diffusion_configuration(renderer, "step")
+    if comms.cfg * comms.sp > 1:
+        engine = {**configuration.engine, "parallel": {"cfg": comms.cfg, "sp": comms.sp}}
+        configuration = configuration.model_copy(update={"engine": engine})
+    return configuration.model_dump(mode="json")
 
 
 def _on_step_engine(renderer: DiffusionRenderer, job: ParallelJob) -> np.ndarray:
@@ -330,7 +374,9 @@ def _worker(rank: int, job: ParallelJob, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=job.world, timeout=timeout)
     try:
         grids = [Collectives(rank, cfg, sp) for cfg, sp in job.grids]  # every worker makes every group
-        config = DiffusionStageConfig(model=job.model, batch_invariant=job.kernels[0], torch_threads=job.torch_threads)
+        config = DiffusionStageConfig(
+            model=job.model, batch_invariant=job.kernels[0], torch_threads=job.torch_threads, dtype=job.dtype
+        )
         renderer = DiffusionRenderer(config)  # the kernels before the model loads, as a replica starts
         if not isinstance(renderer.family, DiTFamily):
             raise ValueError(f"parallel rendering drives SD3 DiT pipelines; {job.model} is not one")
@@ -354,6 +400,7 @@ def render_parallel_runs(
     kernels: tuple[bool, ...] = (True,),
     step_engine: bool = False,
     torch_threads: int = 1,
+    dtype: str = "float32",
 ) -> list[ParallelRender]:
     """Render one request on each grid of (cfg, sp) workers, once per kernel setting (settings outer, grids inner, in
     the order given), all in one set of worker processes; rank 0's image and measurements of each."""
@@ -362,7 +409,7 @@ def render_parallel_runs(
             raise ValueError(f"degrees must each be one of {DEGREES}, got cfg={cfg}, sp={sp}")
     if params.get("seed") is None:
         raise ValueError("a parallel render needs the request's seed: every worker draws the same noise from it")
-    job = ParallelJob(model, prompt, dict(params), tuple(grids), tuple(kernels), step_engine, torch_threads)
+    job = ParallelJob(model, prompt, dict(params), tuple(grids), tuple(kernels), step_engine, torch_threads, dtype)
     hold_process_to_path()  # the workers inherit the kernel path's limits
     with tempfile.TemporaryDirectory(prefix="omniserve-parallel-") as directory:
         out, started = Path(directory) / "rank0.pickle", time.perf_counter()

@@ -10,7 +10,7 @@ control test skips, naming what it measured.
 import numpy as np
 import pytest
 
-from stages.diffusion.parallel import render_parallel_runs
+from stages.diffusion.parallel import DiTLayout, render_parallel_runs
 
 from .conftest import DIT
 
@@ -55,26 +55,13 @@ def test_the_control_with_stock_kernels_differs_on_some_grid(renders):
     assert not all(same.values())
 
 
-def predicted_bytes(cfg: int, sp: int) -> int:
-    """What the collectives must move per denoising step (every worker's sends to others), from the tiny DiT's shapes:
-    2 guided rows, 4 heads of 8, 16 image tokens (64x64: 8x8 latents in 2x2 patches of 16 channels = 64 values), 333
-    text tokens (77 CLIP + SD3's 256 T5 positions, zeros without T5), 2 blocks of which the last drops its text."""
-    f32, heads, dim, image, text, patch, blocks = 4, 4, 8, 16, 77 + 256, 64, 2
-    rows = 2 // cfg  # a worker's rows in a call: its branch
-    total = sp * cfg * (cfg - 1) * rows * image * patch * f32  # each branch's prediction to the other branch
-    if sp > 1:
-        worker = (
-            blocks * 3 * rows * (image // sp) * heads * dim * f32 * (sp - 1) // sp  # q, k, v: my tokens, others' heads
-            + blocks * rows * (heads // sp) * image * dim * f32 * (sp - 1) // sp  # attention back: my heads, others' tokens
-            + (blocks - 1) * rows * (heads // sp) * text * dim * f32 * (sp - 1)  # the text's attention, by heads
-            + rows * (image // sp) * patch * f32 * (sp - 1)  # the output projection's tokens, for the unpatchify
-        )
-        total += cfg * sp * worker
-    return total
+#: The tiny DiT's shapes, read off its config: 4 heads of 8, 2 joint blocks, 16 image tokens at 64x64 (8x8 latents in
+#: 2x2 patches of 16 channels: 64 values each), 77 CLIP + 256 T5 text positions, float32.
+TINY = DiTLayout(heads=4, head_dim=8, blocks=2, image_tokens=16, text_tokens=77 + 256, patch_values=64)
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=["one", *PARALLEL.keys()])
 def test_the_collectives_move_what_the_layout_predicts_and_only_move(renders, grid):
     run = renders[(True, *grid)]
-    assert run.bytes_per_step == predicted_bytes(*grid)
+    assert run.bytes_per_step == TINY.bytes_per_step(*grid)  # the layout's volume: the projection in docs rests on it
     assert set(run.calls_per_step) <= {"all_gather", "all_to_all"}  # no all_reduce: nothing is summed in transit

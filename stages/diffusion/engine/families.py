@@ -86,7 +86,7 @@ def _rows(sample: Sample, tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([tensor] * 2) if sample.cfg else tensor
 
 
-def _guided(sample: Sample, prediction: torch.Tensor) -> torch.Tensor:
+def guided(sample: Sample, prediction: torch.Tensor) -> torch.Tensor:
     if not sample.cfg:
         return prediction
     uncond, text = prediction.chunk(2)
@@ -279,7 +279,7 @@ class UNetFamily(Family):
         output = self.denoiser(
             torch.cat(inputs), torch.cat(timesteps), encoder_hidden_states=hidden, return_dict=False
         )[0]
-        return [_guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
+        return [guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
         return latents / self.pipe.vae.config.scaling_factor
@@ -335,7 +335,7 @@ class SDXLFamily(UNetFamily):
             added_cond_kwargs={"text_embeds": joined["text_embeds"], "time_ids": joined["time_ids"]},
             return_dict=False,
         )[0]
-        return [_guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
+        return [guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipe.vae.config
@@ -407,7 +407,7 @@ class DiTFamily(Family):
             pooled_projections=torch.cat([s.conditioning["pooled_projections"] for s in samples]),
             return_dict=False,
         )[0]
-        return [_guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
+        return [guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
         return latents / self.pipe.vae.config.scaling_factor + self.pipe.vae.config.shift_factor
