@@ -8,8 +8,8 @@ fix it besides `ray start`), then runs `serve run` itself, in this process, whic
 it. Ctrl-C is `serve run`'s: it removes the app; this process then exits, and Ray stops the instance this
 process started (and nothing else). SIGTERM (what `docker stop`, Kubernetes and systemd send; `make serve` passes it
 on) drains first (`orchestration.drain`): no new request is admitted (503 `shutting_down`), every admitted one is
-answered, for at most --drain-timeout-s; then the same as Ctrl-C, and the exit status is 0. The endpoint binds the loopback when Ray runs in its single-machine mode
-(`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which the Makefile sets).
+answered, for at most --drain-timeout-s; then the same as Ctrl-C, and the exit status is 0. The endpoint binds the
+loopback when Ray runs in its single-machine mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which the Makefile sets).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def drain_then_stop(timeout_s: float) -> None:
 
     log(f"SIGTERM: draining (no new request admitted; at most {timeout_s:g} s for those in flight)")
     start_draining()
-    wait_drained(ingress_replicas, timeout_s, log)
+    wait_drained(ingress_replicas(), timeout_s, log)  # counted once: the controller is asked nothing per poll
     raise KeyboardInterrupt
 
 

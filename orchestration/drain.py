@@ -112,14 +112,15 @@ def start_draining() -> None:
     _kv_put(DRAINING, b"1")
 
 
-def wait_drained(ingress_replicas: Callable[[], int], timeout_s: float, log: Callable[[str], None]) -> bool:
-    """Wait until every ingress replica (`ingress_replicas()`: how many run now) has drained; False past timeout_s."""
+def wait_drained(ingress_replicas: int, timeout_s: float, log: Callable[[str], None]) -> bool:
+    """Wait until every ingress replica (`ingress_replicas`: how many ran when the drain began; none starts during
+    one) has drained; False past timeout_s."""
     from ray.experimental.internal_kv import _internal_kv_list
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         drained = len(_internal_kv_list(DRAINED_PREFIX, namespace=NAMESPACE))
-        if drained >= ingress_replicas():
+        if drained >= ingress_replicas:
             log(f"drained: {drained} ingress replica(s) answered every request they admitted")
             return True
         time.sleep(POLL_S)
