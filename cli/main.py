@@ -105,6 +105,7 @@ def _llm_report(args: argparse.Namespace, command: list[str]) -> dict:
             dtype=args.dtype,
             torch_threads=args.torch_threads,
             control_threads=args.control_threads,
+            tensor_parallel=args.tensor_parallel,
         )
         for model in models
     ]
@@ -348,6 +349,13 @@ def _audit_stage_arguments(parser) -> None:
         "--torch-threads, a record may rest on one that varies here if the kernels-on bits are equal",
     )
     llm.add_argument("--ablation", choices=sorted(ABLATIONS), help="kernels on, one engine setting changed")
+    llm.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="vLLM workers per engine (tensor_parallel_size; --torch-threads is per worker)",
+    )
 
 
 def _bench_parser(commands) -> None:

@@ -13,7 +13,10 @@ enter the same step; `co_scheduled` records how many did.
 `differing_elements` counts, against the target's solo run, differing token ids plus differing
 logprob values (the top-k entries of every position, the sampled token's included).
 
-    omniserve audit --stage llm --json audit-llm.json [--model embedded:wide-llama]
+    omniserve audit --stage llm --json audit-llm.json [--model embedded:wide-llama] [--tensor-parallel 2]
+
+`tensor_parallel` > 1 runs every engine with that many vLLM workers (`tensor_parallel_size`, one process each); the
+scope records then carry the degree (stages.scope.LLM_ENGINE_SETTINGS).
 """
 
 from __future__ import annotations
@@ -257,6 +260,7 @@ async def audit_engine(
     worker_threads = sorted({r.get("torch_threads") for r in engine.worker_reports})
     threads = "/".join(map(str, worker_threads))
     label = kernels + (f"/{ablation}" if ablation else "")
+    degree = int(engine.settings.args.get("tensor_parallel_size") or 1)
     for target in targets:
         for sampling in samplings:
             (reference,) = await generate_co_batched(engine, [requests.target(target, sampling)])
@@ -272,11 +276,13 @@ async def audit_engine(
                     **({"ablation": ablation} if ablation else {}),
                     # What the evidence table groups by, beside stage, model, dtype and kernels.
                     "detail": f"{target} prompt, {sampling}, {threads} worker thread(s)"
+                    + (f", tensor parallel {degree}" if degree > 1 else "")
                     + (f", ablation {ablation}" if ablation else ""),
                     "target": target,
                     "ordering": ordering,
                     "sampling": sampling,
                     "torch_threads": worker_threads[-1],
+                    "tensor_parallel_size": degree,
                 }
                 run = {
                     **_record(base, order, batch, results, reference),
@@ -291,14 +297,18 @@ async def audit_engine(
     return runs
 
 
-def audit_config(model: str | None, setting: str, *, dtype: str, torch_threads: int | None) -> LLMStageConfig:
-    """The engine of one kernel setting: the stage's own config, with log stats on (they time the scheduling)."""
+def audit_config(
+    model: str | None, setting: str, *, dtype: str, torch_threads: int | None, tensor_parallel: int = 1
+) -> LLMStageConfig:
+    """The engine of one kernel setting: the stage's own config, with log stats on (they time the scheduling), and
+    `tensor_parallel` vLLM workers (1: the stage's default, no tensor_parallel_size given)."""
+    parallel = {"tensor_parallel_size": tensor_parallel} if tensor_parallel > 1 else {}
     return LLMStageConfig(
         model=model,
         batch_invariant=(setting == "on"),
         dtype=dtype,
         torch_threads=torch_threads,
-        engine_args={"disable_log_stats": False},
+        engine_args={"disable_log_stats": False, **parallel},
     )
 
 
@@ -363,11 +373,13 @@ def run_llm_audit(
     dtype: str = "float32",
     torch_threads: int | None = None,
     control_threads: int | None = None,
+    tensor_parallel: int = 1,
 ) -> dict:
     """Run the audit (starts one engine per kernel setting; call under `if __name__ == "__main__":`).
 
     `control_threads`: run every setting again at that thread count too (a control that may vary where the
-    audited count's does not; see stages/audit/record.py).
+    audited count's does not; see stages/audit/record.py). `tensor_parallel`: vLLM workers per engine (threads are
+    per worker).
 
     Returns {"runs": [...], "summary": {...}, "environment": {...}}; `summary["invariant"]` is the verdict.
     """
@@ -389,7 +401,9 @@ def run_llm_audit(
         "samplings": samplings,
         "max_tokens": max_tokens,
     }
-    engine_config = {"dtype": dtype, "torch_threads": torch_threads}
+    if tensor_parallel < 1:
+        raise ValueError("tensor_parallel must be at least 1")
+    engine_config = {"dtype": dtype, "torch_threads": torch_threads, "tensor_parallel": tensor_parallel}
     if control_threads is not None and (torch_threads is None or control_threads == torch_threads):
         raise ValueError("control_threads needs --torch-threads and must differ from it")
     runs, engines, scope = asyncio.run(_run(model, kernels, ablation, engine_config, audit, log, control_threads))
