@@ -69,7 +69,7 @@ lint: setup
 # (co-batched bits) and golden tests again on every other path this CPU runs (contracts/cpu.py: avx2 by default,
 # generic and, on AVX-512 machines, avx512 forced), ATen, oneDNN and MKL held to the same level; tests that cover
 # every path themselves (`path_independent`) run once.
-PATH_TESTS := tests/stages/test_kernels.py tests/stages/test_step_engine.py tests/stages/test_step_cache.py tests/test_golden.py
+PATH_TESTS := tests/stages/test_kernels.py tests/stages/test_conv3d.py tests/stages/test_step_engine.py tests/stages/test_video_engine.py tests/stages/test_step_cache.py tests/test_golden.py
 test: setup browser toolchains lint
 	$(BIN)/python -m pytest
 	@for isa in $$($(BIN)/python -c "from contracts import cpu; print(*(i for i in cpu.supported_isas() if i != cpu.cpu_isa()))"); do \

@@ -51,6 +51,8 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_TOP_K = 2**20
 #: Previews a streamed image may ask for (OpenAI's bound); fewer arrive when an image has too few steps.
 MAX_PARTIAL_IMAGES = 3
+# A video's frames (Wan: 4k + 1, its VAE compressing time 4x after the first frame); 81 is Wan 2.1's 5 s at 16 fps.
+MAX_FRAMES = 81
 #: Initial latents a request may give: one sample's (channels, height/8, width/8) as nested lists, at most a
 #: 1024x1024 image in a 16-channel latent space (SD3's), in at most 4 levels of lists.
 MAX_LATENT_VALUES, MAX_LATENT_DEPTH = 16 * 128 * 128, 4
@@ -123,6 +125,7 @@ Prompt = Annotated[
 ]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 Steps = Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)]
+Frames = Annotated[int, Field(ge=1, le=MAX_FRAMES)]
 GuidanceScale = Annotated[Finite, Field(ge=0.0, le=100.0)]
 Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
 # Nested lists of floats: the serializable form of a latents tensor.
@@ -336,6 +339,9 @@ class DiffusionSamplingParams(Contract):
     # OpenAI's quality, a share of the model's default steps (QUALITY_SHARES); resolved into num_inference_steps by
     # the stage, so a rendered image records its steps, not its quality.
     quality: Annotated[Quality | None, Served()] = None
+    # A video model's frame count (its family checks the model's own rule); None for an image, and for a video the
+    # family's default. Not an image request's field.
+    num_frames: Annotated[Frames | None, Served(request=None, batch="value")] = None
 
     @model_validator(mode="after")
     def _quality_or_steps(self) -> Self:

@@ -56,6 +56,8 @@ class EmbeddedModel:
     # Its LoRA adapters (committed, `stages.embedded.shapes_lora`): the adapters directory a replica serving it uses
     # when its config names none (`lora_dir`).
     adapters: str | None = None
+    # A video model (recipe "wan"): rendered by the step engine's video family, not in the image audits and benchmarks.
+    video: bool = False
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -75,6 +77,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         EmbeddedModel("omniserve/tiny-flux-dit", "diffusion", "flux"),
         EmbeddedModel("omniserve/tiny-qwen-image", "diffusion", "qwen"),
         EmbeddedModel("omniserve/tiny-pixart-dit", "diffusion", "pixart", fallback=True),
+        EmbeddedModel("omniserve/tiny-wan-video", "diffusion", "wan", video=True),
         # Random weights from a seed: the audits' and benchmarks' LLM (`embedded_models`), served by name.
         EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama"),
         # The LLM default: the same architecture trained here to rewrite free prompts into the image default's words
@@ -91,9 +94,11 @@ def embedded_models(stage: str) -> tuple[str, ...]:
     in registry order.
 
     Random weights are the wider test of the kernels: every value path is exercised, none learned away. The
-    trained models, both defaults among them, are left out (DEFAULT_MODELS names them).
+    trained models, both defaults among them, are left out (DEFAULT_MODELS names them), and so are video models.
     """
-    return tuple(m.id for m in EMBEDDED_MODELS.values() if m.stage == stage and not m.trained and not m.fallback)
+    return tuple(
+        m.id for m in EMBEDDED_MODELS.values() if m.stage == stage and not (m.trained or m.fallback or m.video)
+    )
 
 
 def embedded_adapters(model: str) -> str | None:

@@ -17,6 +17,10 @@ Three kinds, each a real architecture a serving stage meets in production:
   "pixart": PixArtSigmaPipeline     (PixArtTransformer2DModel with adaLN-single and learned sigma, AutoencoderKL,
                                      a T5 encoder with a byte-level tokenizer, DPMSolverMultistepScheduler): a
                                      pipeline the step engine has no family for, served by whole-request batching
+  "wan": WanPipeline                (WanTransformer3DModel, Wan 2.1's video DiT with 3-D RoPE and cross-attention,
+                                     AutoencoderKLWan with causal 3-D convolutions: 8x in space, 4x in time, a UMT5
+                                     encoder with a byte-level tokenizer, UniPCMultistepScheduler on flow sigmas):
+                                     text to video, diffusers' fast-test shapes
 Shapes follow diffusers' own fast-test dummy components, except that both VAEs have four levels and so
 downsample 8x like the real ones: a 256x256 image stays cheap (32x32 latents), and any height/width that
 is a multiple of 16 (VAE 8x times SD3's patch 2) works for both kinds.
@@ -32,8 +36,10 @@ the directory; `load_tiny_pipeline(kind)` loads it from there with `from_pretrai
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, cast
@@ -56,7 +62,11 @@ from diffusers import (
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
 )
+from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
 # From its module, not the package: to a type checker the package's names are torch-less placeholders.
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -72,6 +82,8 @@ from transformers import (
     Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 from stages.embedded import EMBEDDED_MODELS, build_cached, cache_root
@@ -99,6 +111,7 @@ _ABSENT_COMPONENTS = {
     "flux": {},
     "qwen": {},
     "pixart": {},
+    "wan": {},
     TRAINED_KIND: {},
 }
 
@@ -112,11 +125,25 @@ def tiny_pipeline_path(kind: str) -> Path:
 def load_tiny_pipeline(kind: str, dtype: torch.dtype = torch.float32) -> DiffusionPipeline:
     """The `kind` pipeline, loaded from its cache directory (the trained one: from the source tree), never the network."""
     path = TRAINED_PATH if kind == TRAINED_KIND else tiny_pipeline_path(kind)
-    pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **_ABSENT_COMPONENTS[kind])
+    with _all_in_one_dtype():
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **_ABSENT_COMPONENTS[kind])
     # Without `accelerate`, diffusers 0.42 keeps SD3's fp32 checkpoint tensors: its dtype check reads an fp32 buffer.
     pipe.to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@contextlib.contextmanager
+def _all_in_one_dtype() -> Iterator[None]:
+    """Wan's transformer asks to keep some modules in float32 (`_keep_in_fp32_modules`), which diffusers 0.42 can
+    load only through `accelerate` (not a dependency); the pipeline is cast to one dtype after loading anyway, so
+    the request is dropped while loading (float32 loads are unchanged by it)."""
+    kept = WanTransformer3DModel._keep_in_fp32_modules
+    WanTransformer3DModel._keep_in_fp32_modules = None
+    try:
+        yield
+    finally:
+        WanTransformer3DModel._keep_in_fp32_modules = kept
 
 
 def _checked(kind: str) -> str:
@@ -149,6 +176,7 @@ def _build(kind: str) -> DiffusionPipeline:
             "flux": _build_flux_pipeline,
             "qwen": _build_qwen_pipeline,
             "pixart": _build_pixart_pipeline,
+            "wan": _build_wan_pipeline,
         }
         return cast(DiffusionPipeline, builders[kind]())
 
@@ -475,21 +503,54 @@ def _build_pixart_pipeline() -> PixArtSigmaPipeline:
     )
 
 
-def _tiny_t5(tokenizer: PreTrainedTokenizerFast, width: int) -> T5EncoderModel:
-    """diffusers' tiny-random-t5 shape (2 layers, 4 heads of 8) over `tokenizer`'s vocabulary."""
-    return T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer),
-            d_model=width,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=tokenizer.pad_token_id,
-        )
+def _build_wan_pipeline() -> WanPipeline:
+    """diffusers' Wan fast-test components (tests/pipelines/wan), with a VAE 8 channels wide at its base."""
+    tokenizer, text_width = _byte_level_t5_tokenizer(), 32
+    _seeded(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=text_width,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
     )
+    _seeded(1)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    _seeded(2)
+    text_encoder = UMT5EncoderModel(UMT5Config(**_tiny_t5_shape(tokenizer, text_width)))  # Wan's T5 variant
+    # Wan 2.1's own sampler: UniPC on flow-matching sigmas, shifted (3.0: its 480p setting).
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae, scheduler=scheduler
+    )
+
+
+def _tiny_t5(tokenizer: PreTrainedTokenizerFast, width: int) -> T5EncoderModel:
+    return T5EncoderModel(T5Config(**_tiny_t5_shape(tokenizer, width)))
+
+
+def _tiny_t5_shape(tokenizer: PreTrainedTokenizerFast, width: int) -> dict[str, Any]:
+    """diffusers' tiny-random-t5 shape (2 layers, 4 heads of 8) over `tokenizer`'s vocabulary."""
+    return {
+        "vocab_size": len(tokenizer),
+        "d_model": width,
+        "d_kv": 8,
+        "d_ff": 37,
+        "num_layers": 2,
+        "num_heads": 4,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": tokenizer.pad_token_id,
+    }
 
 
 def _byte_level_t5_tokenizer() -> PreTrainedTokenizerFast:

@@ -24,7 +24,7 @@ def test_the_derived_declarations_hold_exactly_the_marked_fields():
     assert set(image_fields(rendered=True)) <= set(RenderedImage.model_fields)
     assert [name for name, _ in batch_parts(DiffusionSamplingParams())] == [
         "num_inference_steps", "guidance_scale", "height", "width", "has_negative_prompt", "true_cfg_scale",
-        "generator_device", "has_latents", "sigmas"]
+        "generator_device", "has_latents", "sigmas", "num_frames"]
 
 
 def test_the_http_fields_keep_the_params_own_bounds():

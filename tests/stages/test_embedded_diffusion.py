@@ -38,6 +38,9 @@ def shared_cache(tmp_path_factory):
         yield
 
 
+#: The kinds that render images (the video one, "wan": tests/stages/test_video_engine.py).
+IMAGE_KINDS = tuple(kind for kind in KINDS if not EMBEDDED_MODELS[MODEL_IDS[kind]].video)
+
 @pytest.fixture(scope="module")
 def pipelines(shared_cache):
     return {kind: load_tiny_pipeline(kind) for kind in KINDS}
@@ -58,9 +61,11 @@ def generate(pipe, prompt, seed, size=64, steps=2):
 
 
 def test_tiny_pipeline_kinds_are_the_registrys_diffusion_models():
-    audited = {MODEL_IDS[kind] for kind in KINDS if not EMBEDDED_MODELS[MODEL_IDS[kind]].fallback}
+    entries = {kind: EMBEDDED_MODELS[MODEL_IDS[kind]] for kind in KINDS}
+    audited = {entry.id for entry in entries.values() if not (entry.fallback or entry.video)}
     assert audited == set(embedded_models("diffusion"))
     assert MODEL_IDS["pixart"] not in embedded_models("diffusion")  # the fallback's model: no family, no audit
+    assert MODEL_IDS["wan"] not in embedded_models("diffusion")  # video: not in the image audits and benchmarks
     assert all(EMBEDDED_MODELS[MODEL_IDS[kind]].recipe == kind for kind in KINDS)
 
 
@@ -183,7 +188,7 @@ def test_tiny_pipeline_unknown_kind_is_refused():
         tiny_pipeline_path("vqgan")
 
 
-@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind not in ("pixart", "qwen")])  # CLIP's first tokenizer
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind not in ("pixart", "qwen", "wan")])  # CLIP's tokenizer
 def test_tiny_pipeline_tokenizer_takes_any_text_and_truncates_to_77(kind, pipelines):
     tokenizer = pipelines[kind].tokenizer
     long_prompt = "Ünïcode, emoji 🦊 and\ttabs! " * 10
@@ -212,7 +217,7 @@ def test_tiny_pipeline_loads_every_component_in_the_requested_dtype(kind, shared
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", IMAGE_KINDS)
 def test_tiny_pipeline_generates_the_same_64x64_image_twice_for_one_seed(kind, pipelines):
     first = generate(pipelines[kind], "a red fox in the snow", seed=42)
     second = generate(pipelines[kind], "a red fox in the snow", seed=42)
@@ -224,6 +229,6 @@ def test_tiny_pipeline_generates_the_same_64x64_image_twice_for_one_seed(kind, p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [128, 256])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", IMAGE_KINDS)
 def test_tiny_pipeline_serves_larger_square_sizes(kind, size, pipelines):
     assert generate(pipelines[kind], "a lighthouse at dusk", seed=7, size=size, steps=1).shape == (1, size, size, 3)

@@ -141,8 +141,8 @@ class StepEngine:
         if not ready:
             return []
         ready.sort(key=lambda s: (s.remaining - s.skipped, s.arrival))
-        shape = ready[0].shape
-        batch = [s for s in ready if self.pack_sizes or s.shape == shape][: self.max_batch_size]
+        key = ready[0].latent_key
+        batch = [s for s in ready if self.pack_sizes or s.latent_key == key][: self.max_batch_size]
         for sample in ready:
             if sample not in batch:
                 sample.skipped += 1
@@ -196,11 +196,12 @@ class StepEngine:
 
 
 def _decoded_by_shape(family: Family, samples: list[Sample], latents: list[torch.Tensor]) -> list[Any]:
-    """Each sample's float image, decoded with the others of its shape (a packed batch holds several)."""
+    """Each sample's float image (or video), decoded with the others of its frames and shape (a packed batch holds
+    several shapes)."""
     images: dict[int, Any] = {}
-    for shape in dict.fromkeys(s.shape for s in samples):
-        same = [i for i, s in enumerate(samples) if s.shape == shape]
-        images.update(zip(same, family.decode(torch.cat([latents[i] for i in same]), shape), strict=True))
+    for key in dict.fromkeys(s.latent_key for s in samples):
+        same = [i for i, s in enumerate(samples) if s.latent_key == key]
+        images.update(zip(same, family.decode(torch.cat([latents[i] for i in same]), key[1:]), strict=True))
     return [images[i] for i in range(len(samples))]
 
 

@@ -710,18 +710,102 @@ class QwenImageFamily(PackedFamily):
         return predictions
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
-        config = self.pipe.vae.config
-        latents = latents.to(self.pipe.vae.dtype)
-        view = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(view).to(latents.device, latents.dtype)
-        std = 1.0 / torch.tensor(config.latents_std).view(view).to(latents.device, latents.dtype)
-        return latents / std + mean  # diffusers' order of operations: divided by the inverse
+        return wan_vae_latents(self.pipe.vae, latents)
 
     def frame(self, decoded: torch.Tensor) -> torch.Tensor:
         return decoded[:, :, 0]  # (N, 3, 1 frame, H, W)
 
 
-FAMILIES = (UNetFamily, SDXLFamily, DiTFamily, FluxFamily, QwenImageFamily)
+def wan_vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Denoised latents as a Wan-style 3-D VAE (Wan's, Qwen-Image's) decodes them: un-normalised per channel."""
+    config = vae.config
+    latents = latents.to(vae.dtype)
+    view = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(view).to(latents.device, latents.dtype)
+    std = 1.0 / torch.tensor(config.latents_std).view(view).to(latents.device, latents.dtype)
+    return latents / std + mean  # diffusers' order of operations: divided by the inverse
+
+
+class WanFamily(Family):
+    """Wan 2.1 text-to-video (WanPipeline): a sample is a video, its latents (1, C, frames, h, w) with the VAE's
+    time compression (4k + 1 frames -> k + 1 latent frames); guidance as the pipeline's two calls, one call of two rows
+    here. Videos of one frame count and size share a call (`Sample.latent_key`); each decodes alone (the causal VAE
+    decodes a clip frame by frame with its chunk cache) into float frames (frames, H, W, 3)."""
+
+    denoiser_name = "transformer"
+    takes_latents = False
+    decodes_alone = True
+    DEFAULT_FRAMES = 9  # the embedded model's: 3 latent frames
+
+    @classmethod
+    def serves(cls, pipe) -> bool:
+        return type(pipe).__name__ == "WanPipeline"
+
+    @functools.cached_property
+    def text_tokens(self) -> int:
+        """The text length every prompt is padded to, as WanPipeline calls it (its `encode_prompt` defaults to
+        another): the zero padding is attended to, so it must be the pipeline's."""
+        return inspect.signature(type(self.pipe).__call__).parameters["max_sequence_length"].default
+
+    def frames(self, sample: Sample) -> int:
+        frames, step = sample.params.num_frames or self.DEFAULT_FRAMES, self.pipe.vae_scale_factor_temporal
+        if (frames - 1) % step:
+            raise InvalidRequestError(
+                f"num_frames must be {step}k + 1 for this model (its VAE compresses time {step}x), got {frames}",
+                param="num_frames",
+                code="invalid_value",
+            )
+        return frames
+
+    def encode(self, samples: list[Sample]) -> None:
+        cond, uncond = self.pipe.encode_prompt(
+            prompt=[s.prompt for s in samples],
+            negative_prompt=[s.params.negative_prompt or "" for s in samples],
+            do_classifier_free_guidance=True,
+            num_videos_per_prompt=1,
+            max_sequence_length=self.text_tokens,
+            device=self.device,
+        )
+        for i, sample in enumerate(samples):
+            rows = torch.cat([uncond[i : i + 1], cond[i : i + 1]]) if sample.cfg else cond[i : i + 1]
+            sample.conditioning = {"encoder_hidden_states": rows}
+
+    def timesteps(self, sample: Sample):
+        return _timesteps(sample.scheduler, sample.params.num_inference_steps, self.device, sample.params.sigmas)
+
+    def initial_latents(self, sample: Sample) -> torch.Tensor:
+        height, width = sample.shape
+        return self.pipe.prepare_latents(
+            1,
+            self.denoiser.config.in_channels,
+            height,
+            width,
+            self.frames(sample),
+            torch.float32,  # the pipeline's own latents dtype, whatever the transformer's
+            self.device,
+            sample.generator,
+        )
+
+    def denoise(self, samples: list[Sample]) -> list[torch.Tensor]:
+        inputs = [_rows(s, s.latents.to(self.dtype)) for s in samples]
+        output = self.denoiser(
+            hidden_states=torch.cat(inputs),
+            timestep=torch.cat([s.timestep.expand(x.shape[0]) for s, x in zip(samples, inputs, strict=True)]),
+            encoder_hidden_states=torch.cat([s.conditioning["encoder_hidden_states"] for s in samples]),
+            return_dict=False,
+        )[0]
+        return [guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
+
+    def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
+        return wan_vae_latents(self.pipe.vae, latents)
+
+    def decode(self, latents: torch.Tensor, shape: tuple[int, int]):
+        """Each video alone: float frames (frames, H, W, 3) in [0, 1], as WanPipeline's np output."""
+        videos = [self.pipe.vae.decode(self.to_vae(one), return_dict=False)[0] for one in latents.split(1)]
+        return [self.pipe.video_processor.postprocess_video(video, output_type="np")[0] for video in videos]
+
+
+FAMILIES = (UNetFamily, SDXLFamily, DiTFamily, FluxFamily, QwenImageFamily, WanFamily)
 
 
 def family_for(pipe) -> Family | None:

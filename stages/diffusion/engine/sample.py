@@ -70,6 +70,12 @@ class Sample:
         return (cast(int, self.params.height), cast(int, self.params.width))
 
     @property
+    def latent_key(self) -> tuple[int, int, int]:
+        """What samples sharing a denoiser call (of a family that does not pack sizes) have in common: their frames
+        (0: an image) and size."""
+        return (self.params.num_frames or 0, *self.shape)
+
+    @property
     def timestep(self):
         return self.timesteps[self.step]
 
