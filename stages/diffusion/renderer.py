@@ -26,6 +26,7 @@ from stages.diffusion.engine import family_for
 from stages.diffusion.engine.families import Family, vae_slicing
 from stages.diffusion.engine.sample import seeded_generator
 from stages.diffusion.lora import AdapterLibrary
+from stages.diffusion.video_file import quantized
 from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_adapters
 
 
@@ -67,7 +68,7 @@ def encode_png(image, record: ImageRecord | None = None) -> bytes:
     import numpy as np
     from PIL import Image
 
-    pixels = (np.clip(image, 0.0, 1.0) * 255).round().astype("uint8")
+    pixels = quantized(np.asarray(image))
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG", compress_level=6, pnginfo=png_info(record))
     return buffer.getvalue()
