@@ -162,10 +162,15 @@ def load_pipeline(model: str, *, device: str, dtype: str):
     return pipe
 
 
+def vae_factor(pipe) -> int:
+    """The VAE's spatial downsampling: an image pipeline's `vae_scale_factor`, a video one's (Wan) spatial factor."""
+    return getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor
+
+
 def latent_shape(pipe, params: DiffusionSamplingParams) -> tuple[int, ...]:
     """The (C, h, w) of a request's initial latents, unpacked."""
     denoiser = getattr(pipe, "unet", None) or pipe.transformer
-    factor = pipe.vae_scale_factor
+    factor = vae_factor(pipe)
     return (denoiser.config.in_channels, cast(int, params.height) // factor, cast(int, params.width) // factor)
 
 
@@ -179,7 +184,7 @@ def model_defaults(pipe, model: str, size_multiple: int, config: DiffusionStageC
         or getattr(getattr(denoiser, "config", None), "sample_size", None)
         or 64  # neither: 512 pixels at the usual 8x VAE
     )
-    size = 64 if embedded else latent_side * pipe.vae_scale_factor
+    size = 64 if embedded else latent_side * vae_factor(pipe)
     if size * size > config.max_pixels:
         # The model's own size (FLUX, SDXL: 1024) past this server's limit: the largest square within it, so a
         # request that names no size (and the warm-up) is admitted.
@@ -252,10 +257,9 @@ class DiffusionRenderer:
         # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size, or, where the family packs
         # 2x2 latent pixels into one token (FLUX, Qwen-Image), times that packing (their transformer's patching).
         packing = self.family.latent_packing if self.family is not None else 1
-        patch = getattr(getattr(self.pipe, "transformer", None), "config", None)
-        self.size_multiple = self.pipe.vae_scale_factor * (
-            packing if packing > 1 else getattr(patch, "patch_size", 1) or 1
-        )
+        patch = getattr(getattr(getattr(self.pipe, "transformer", None), "config", None), "patch_size", 1) or 1
+        patch = patch[-1] if isinstance(patch, list | tuple) else patch  # a video DiT's (time, height, width)
+        self.size_multiple = vae_factor(self.pipe) * (packing if packing > 1 else patch)
         self.defaults = model_defaults(self.pipe, self.model, self.size_multiple, config)
         self.loras = adapter_library(config, self.model, self.pipe, self.family)
         if self.family is not None:

@@ -10,16 +10,19 @@ import numpy as np
 import pytest
 import torch
 
+from contracts.config import DiffusionStageConfig
 from contracts.cpu import cpu_isa
 from contracts.errors import InvalidRequestError
 from contracts.sampling import DiffusionSamplingParams
+from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import Sample, StepEngine
-from stages.diffusion.engine.families import WanFamily, family_for
-from stages.embedded.diffusion import load_tiny_pipeline
-from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
+from stages.diffusion.engine.families import WanFamily
+from stages.embedded import EMBEDDED_MODELS
+from stages.kernels import disable_batch_invariant_kernels
 
 pytestmark = pytest.mark.slow
 TARGET = ("a red fox running through snow", 42)
+(WAN,) = (m.id for m in EMBEDDED_MODELS.values() if m.recipe == "wan")
 
 
 def video(prompt: str, seed: int, *, steps: int = 4, guidance: float = 5.0, frames: int = 9) -> Sample:
@@ -32,13 +35,11 @@ def video(prompt: str, seed: int, *, steps: int = 4, guidance: float = 5.0, fram
 @pytest.fixture(scope="module", params=[True, False], ids=["on", "control"])
 def engine(request):
     disable_batch_invariant_kernels()
-    if request.param:
-        assert enable_batch_invariant_kernels("cpu").installed
-    pipe = load_tiny_pipeline("wan")
-    family = family_for(pipe)
-    assert isinstance(family, WanFamily)
-    # Two threads: at one, stock kernels gave the co-batched video its solo frames here (the control could not fail).
-    engine = StepEngine(family, max_batch_size=4, torch_threads=2)
+    # The diffusion stage's own renderer: the kernels before the model, its size rules read off a video pipeline.
+    renderer = DiffusionRenderer(DiffusionStageConfig(model=WAN, batch_invariant=request.param, torch_threads=1))
+    family = renderer.family
+    assert isinstance(family, WanFamily) and renderer.size_multiple == 16  # VAE 8x, spatial patch 2
+    engine = StepEngine(family, max_batch_size=4, torch_threads=1)
     engine.invariant = request.param
     yield engine
     engine.stop()
