@@ -56,6 +56,9 @@ class Ingress:
 
     def __init__(self, llm: DeploymentHandle, diffusion: DeploymentHandle, config: AppConfig, files: DeploymentHandle):
         self.config = config
+        # A model card's `created` (OpenAI: when the model was made, which a served directory does not say): when this
+        # replica started, so a card is the same on every call (a per-call time once differed between list and get).
+        self.started = int(time.time())
         self.links = ImageLinks(files, config.ingress.image_url_ttl_s)
         self.handles: dict[Stage, DeploymentHandle] = {"llm": llm, "diffusion": diffusion}
         self.retrying = Retrying(config.ingress.retry_attempts, config.ingress.retry_backoff_s)
@@ -138,9 +141,8 @@ class Ingress:
         )
 
     async def models(self) -> ModelList:
-        created = int(time.time())
         return ModelList(
-            data=[ModelCard(id=await self.served_model(stage), created=created, stage=stage) for stage in STAGES]
+            data=[ModelCard(id=await self.served_model(stage), created=self.started, stage=stage) for stage in STAGES]
         )
 
     async def model(self, model: str) -> ModelCard:
