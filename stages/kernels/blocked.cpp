@@ -737,6 +737,19 @@ Tensor blocked_baddbmm(const Tensor& bias, const Tensor& a, const Tensor& b, con
 
 // --- convolution -------------------------------------------------------------------
 
+// `x` with exactly `layout`'s strides. `contiguous(layout)` keeps a tensor whose size-1 dimensions have other
+// strides, and mkldnn_convolution picks its own layout from all the strides (suggest_memory_format): a lone sample
+// reshaped out of a permute (the Wan VAE's attention, batch stride 16 instead of C*H*W) ran channels-first while the
+// same sample in a batch ran channels-last, and the two round differently (measured: 432 of 576 outputs).
+Tensor in_layout(const Tensor& x, MemoryFormat layout) {
+  std::vector<int64_t> strides(x.dim(), 1);
+  if (layout == MemoryFormat::ChannelsLast) strides = c10::get_channels_last_strides_2d(x.sizes());
+  else
+    for (int64_t d = x.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(x.size(d + 1), 1);
+  if (x.strides() == IntArrayRef(strides)) return x;
+  return at::empty_strided(x.sizes(), strides, x.options()).copy_(x);
+}
+
 // oneDNN directly, in one layout whatever the caller's; fixed blocks of samples for what oneDNN
 // does not take.
 //
@@ -766,10 +779,10 @@ Tensor blocked_convolution(const Tensor& input, const Tensor& weight, const std:
       // as a bfloat16 kernel's (which accumulates in float32 too).
       auto wide = [](const Tensor& t) { return t.to(at::kFloat); };
       const std::optional<Tensor> wide_bias = bias && bias->defined() ? std::optional<Tensor>(wide(*bias)) : bias;
-      return at::mkldnn_convolution(wide(input).contiguous(layout), wide(weight), wide_bias, padding, stride,
+      return at::mkldnn_convolution(in_layout(wide(input), layout), wide(weight), wide_bias, padding, stride,
                                     dilation, groups).to(at::kBFloat16);
     }
-    return at::mkldnn_convolution(input.contiguous(layout), weight, bias, padding, stride, dilation, groups);
+    return at::mkldnn_convolution(in_layout(input, layout), weight, bias, padding, stride, dilation, groups);
   }
 
   auto stock = [&](const Tensor& x) {

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 
-from contracts.cpu import cpu_isa
 from stages.kernels import batch_invariant_kernels
 from tests.stages.test_kernels import (  # the autouse fixture: stock kernels and the start's threads around each test
     _in_batch,
@@ -22,21 +21,6 @@ from tests.stages.test_kernels import (  # the autouse fixture: stock kernels an
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
-#: A known defect of the kernels, measured and pinned until its fix lands (docs/evidence/conv3d.md): a lone sample whose
-#: size-1 batch dimension has other strides than a fresh tensor's (as the Wan VAE's attention hands it on) keeps them
-#: through `contiguous(layout)`, and oneDNN then picks its channels-first kernels, with other rounding. The fix is a
-#: change to stages/kernels/blocked.cpp, which changes the kernels' digest and so invalidates every shipped scope
-#: record: it lands with the re-audit that replaces them. Strict: the day these pass, the marks must go.
-ODD_STRIDES = "known defect, fix pending with the re-audit (docs/evidence/conv3d.md): odd strides of a size-1 dimension"
-
-
-def _float32_fails_on(*paths: str) -> list:
-    """DTYPES, float32 marked as the known defect on `paths` (where it was measured failing)."""
-    failing = pytest.mark.xfail(cpu_isa() in paths, reason=ODD_STRIDES, strict=True)
-    return [pytest.param(torch.float32, id="float32", marks=failing), pytest.param(torch.bfloat16, id="bfloat16")]
-
-
-
 # (in, out, kernel, stride, padding, groups, (T, H, W)); padding "causal" pads time 2*(k//2) in front only and space on
 # both sides, as WanCausalConv3d does (its convolution itself pads nothing).
 CONV3D = {
@@ -100,7 +84,7 @@ def _lone_sample_layouts(dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
              F.conv3d(reshaped[:, :, None].contiguous(), weight3, padding=(0, 1, 1)))]
 
 
-@pytest.mark.parametrize("dtype", _float32_fails_on("avx2", "avx512"))  # generic: oneDNN's reference kernels agree
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_conv_strides_of_size_one_dimensions_do_not_change_the_bits(dtype):
     with batch_invariant_kernels():
         assert all(torch.equal(odd, fresh) for odd, fresh in _lone_sample_layouts(dtype))
@@ -163,7 +147,7 @@ def _vae_differences(dtype) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("dtype", _float32_fails_on("avx2", "avx512", "generic"))  # its attention's 1x1 conv
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_wan_vae_decode_same_bits_batched_or_alone_chunked_or_whole(dtype):
     with batch_invariant_kernels():
         assert _vae_differences(dtype) == {
