@@ -31,7 +31,7 @@ from bench.abandon import image_body
 from bench.load import all_cores
 from bench.local_serve import local_serve
 from bench.paired import SETTINGS, closed_loop, setting_orders
-from orchestration.config import DEPLOYMENT_NAMES, AppConfig
+from orchestration.config import AppConfig
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -61,7 +61,7 @@ def reserved_cpus(config: Mapping[str, Any]) -> float:
     """The CPUs one app's replicas reserve in Ray (autoscaling: at its maximum)."""
     app = AppConfig.model_validate(config)
     total = 0.0
-    for part in DEPLOYMENT_NAMES:
+    for part in app.parts:
         deployment = app.deployment(part)
         scaling = deployment.autoscaling_config or {}
         replicas = (

@@ -11,13 +11,13 @@ Defaults fit a 2-core CPU box with no GPU and no network (embedded tiny models, 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from .admission import DiffusionLimits
 from .errors import InvalidRequestError
-from .sampling import DiffusionSamplingParams, LLMSamplingParams, image_fields, optional_model
+from .sampling import MAX_FRAMES, DiffusionSamplingParams, LLMSamplingParams, image_fields, optional_model
 
 
 class _Config(BaseModel):
@@ -154,6 +154,9 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     # fields a request leaves out count at their configured default, or at the limit when none is configured.
     max_request_work: Annotated[int, Field(ge=1)] = 8 * 50 * 512 * 512
 
+    #: Whether its deployment renders videos (VideoStageConfig) or images; its model must be of that kind.
+    serves_video: ClassVar[bool] = False
+
     def check_request_work(self, images: int, params: DiffusionSamplingParams) -> None:
         """Refuse a request whose images x steps x pixels exceed `max_request_work` (a 400 naming `n`)."""
         steps = params.num_inference_steps or self.defaults.num_inference_steps or self.max_inference_steps
@@ -177,6 +180,33 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
         if self.max_queued < self.max_batch_size:
             raise ValueError("need max_batch_size <= max_queued")
         return self
+
+
+class VideoStageConfig(DiffusionStageConfig):
+    """The video stage (`stages.diffusion.video_stage`): a diffusion deployment of a video model, the embedded tiny Wan
+    by default, and the jobs of the Videos API (`orchestration.video_jobs`). Its switch follows the diffusion stage's
+    environment (OMNI_DIFFUSION_BATCH_INVARIANT) unless set here."""
+
+    serves_video: ClassVar[bool] = True
+    model: str | None = "omniserve/tiny-wan-video"
+    max_batch_size: Annotated[int, Field(ge=1)] = 4
+    max_queued: Annotated[int, Field(ge=1)] = 16
+    fps: Annotated[int, Field(ge=1, le=60)] = 8  # of the MP4; a request's `seconds` are seconds x fps + 1 frames
+    max_frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] = 33
+    # The jobs (`/v1/videos`): at most `max_jobs` kept, finished ones dropped oldest first for a new one (none
+    # finished: 503); each kept `ttl_s` after it finished; the MP4s kept at most `store_mib` (oldest dropped first).
+    max_jobs: Annotated[int, Field(ge=1)] = 32
+    store_mib: Annotated[int, Field(ge=1)] = 256
+    ttl_s: Annotated[float, Field(gt=0)] = 3600.0
+
+    def check_frames(self, frames: int) -> None:
+        if frames > self.max_frames:
+            raise InvalidRequestError(
+                f"{frames} frames is over this server's limit of {self.max_frames} ({(self.max_frames - 1) // self.fps} s "
+                f"at {self.fps} frames per second); ask for fewer seconds or num_frames",
+                param="num_frames",
+                code="out_of_range",
+            )
 
 
 class IngressConfig(DeploymentConfig):

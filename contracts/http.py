@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, Self, cast
 
 from pydantic import (
     BaseModel,
@@ -142,6 +142,29 @@ class _Request(BaseModel):
                 )
         integers = _integer_fields(cls)
         return {k: _whole(v) if k in integers else v for k, v in data.items() if k not in cls.UNSUPPORTED}
+
+    @classmethod
+    def from_form(cls, fields: Mapping[str, str | bytes]) -> Self:
+        """Validate form fields. A non-text field's text is read as its JSON value ("4", "4.5", "true"; empty: null),
+        so each field has exactly the type and bounds it has in a JSON body ("4.5" is no `n`)."""
+        text = _text_fields(cast(type[BaseModel], cls))  # its dynamic base hides that a class is hashable
+        data = {
+            name: value if name in text or not isinstance(value, str) else _json_value(value)
+            for name, value in fields.items()
+        }
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise invalid_request(err) from None
+
+    @classmethod
+    def form_schema(cls) -> dict[str, Any]:
+        """The form as OpenAPI documents it (`ref_template` for its components); fields refused by name left out."""
+        schema = cls.model_json_schema(ref_template="#/components/schemas/{model}")
+        schema.pop("$defs", None)  # only the refused `latents` refers to one
+        for name in cls.UNSUPPORTED:
+            schema["properties"].pop(name, None)
+        return schema
 
 
 def _needs(field: str, switch: str, why: str = ""):
@@ -287,29 +310,6 @@ class ImageEditRequest(
     }
 
     image: bytes = Field(description="the image to edit: PNG, JPEG or WebP, at most 16 MiB and 4096x4096")
-
-    @classmethod
-    def from_form(cls, fields: Mapping[str, str | bytes]) -> ImageEditRequest:
-        """Validate form fields. A non-text field's text is read as its JSON value ("4", "4.5", "true"; empty: null),
-        so each field has exactly the type and bounds it has in the JSON generation request ("4.5" is no `n`)."""
-        text = _text_fields(cast(type[BaseModel], cls))  # its dynamic base hides that a class is hashable
-        data = {
-            name: value if name in text or not isinstance(value, str) else _json_value(value)
-            for name, value in fields.items()
-        }
-        try:
-            return cls.model_validate(data)
-        except ValidationError as err:
-            raise invalid_request(err) from None
-
-    @classmethod
-    def form_schema(cls) -> dict[str, Any]:
-        """The form as OpenAPI documents it (`ref_template` for its components); fields refused by name left out."""
-        schema = cls.model_json_schema(ref_template="#/components/schemas/{model}")
-        schema.pop("$defs", None)  # only the refused `latents` refers to one
-        for name in cls.UNSUPPORTED:
-            schema["properties"].pop(name, None)
-        return schema
 
 
 #: A JSON number with no fraction is an integer whatever its spelling (`7.0` is `7`, as JSON Schema reads it); as a
@@ -658,14 +658,16 @@ class BodyRule:
     max_bytes: int
     what: str = "the body"
     param: str | None = None  # the field that makes a body too large, where one does
+    also: str | None = None  # a second content type the route reads (POST /v1/videos: JSON or a form)
 
     def check_headers(self, content_type: str | None, content_length: str | None) -> None:
         """Refuse from the headers alone, before the body is read."""
         sent = (content_type or "").split(";")[0].strip().lower()
-        if sent != self.media_type:
+        if sent not in (self.media_type, self.also):
             said = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+            wanted = self.media_type + (f" or {self.also}" if self.also else "")
             raise UnsupportedMediaTypeError(
-                f"send {self.what} as {self.media_type}; the request has {said}", code="unsupported_media_type"
+                f"send {self.what} as {wanted}; the request has {said}", code="unsupported_media_type"
             )
         if content_length and content_length.isascii() and content_length.isdigit():
             self.check_size(
@@ -687,6 +689,7 @@ BODY_RULES = {
     "/v1/images/generations": BodyRule("application/json", MAX_GENERATION_BODY_BYTES),
     "/v1/chat/completions": BodyRule("application/json", MAX_JSON_BODY_BYTES),
     "/v1/images/edits": BodyRule("multipart/form-data", MAX_EDIT_BODY_BYTES, "the edit", "image"),
+    "/v1/videos": BodyRule("application/json", MAX_JSON_BODY_BYTES, also="multipart/form-data"),
 }
 
 

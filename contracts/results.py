@@ -108,6 +108,32 @@ class RenderedImage(
     replica: str
 
 
+class RenderedVideo(
+    required_model(  # type: ignore[misc]  # a base made by pydantic.create_model
+        "_RenderedClip", image_fields(rendered=True), base=Provenance, doc="the fields marked `rendered`"
+    )
+):
+    """One video of the video stage: MP4 bytes (`stages.diffusion.video_file`), their sha256 and that of the frames they
+    encode, how it was sampled and batched."""
+
+    mp4: bytes
+    sha256: str
+    frames_sha256: str  # of the uint8 frames (frames, height, width, 3), the encoder's input
+    num_frames: int
+    fps: int
+    batch_size: int
+    steps_co_batched: int
+    steps_computed: int
+    replica: str
+
+
+class RenderProgress(Result):
+    """A render's progress: `step` of its `steps` denoising steps done (sent after each, before the result)."""
+
+    step: int
+    steps: int
+
+
 class StageDescription(Provenance):
     """A replica's own view of itself, for /health and /v1/models."""
 

@@ -45,12 +45,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from contracts.encoding import MEDIA_TYPES
-from contracts.errors import InvalidRequestError
+from contracts.errors import InvalidRequestError, invalid_request
 from contracts.http import (
     BODY_RULES,
     STREAM_EVENT_KINDS,
@@ -68,6 +69,7 @@ from contracts.http import (
     decode_json,
 )
 from contracts.images import check_image_bytes
+from contracts.videos import Video, VideoCreateRequest, VideoDeleted
 
 from .drain import Drain, DrainGate
 from .errors import HTTPError, client_error, http_error
@@ -79,6 +81,7 @@ from .responses import http_caching, image_event, images_response
 
 if TYPE_CHECKING:
     from .ingress import Ingress
+    from .video_jobs import VideoFront
 
 #: What every route documents besides its success: OpenAI-shaped errors.
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -192,6 +195,11 @@ def replaying(request: Request, body: bytes) -> Request:
     return Request(request.scope, receive)
 
 
+def media_type(request: Request) -> str:
+    """The request's content type without its parameters (a form's boundary), lower case."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
 class BodyCheckedRoute(APIRoute):
     """A route whose body passes its `BODY_RULES` entry before FastAPI reads or validates it."""
 
@@ -205,7 +213,7 @@ class BodyCheckedRoute(APIRoute):
             reader = BodyReader(request)
             try:
                 body = await reader.read(rule)
-                if rule.media_type == "application/json":
+                if media_type(request) == "application/json":
                     decode_json(body)  # FastAPI decodes it again, leniently; this is the decoding that refuses
             except Exception as exc:
                 refused = error_response(http_error(exc))
@@ -343,6 +351,75 @@ def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any], drain: Dr
 OWN_DOCUMENTS: dict[str, Any] = {"openapi_url": None, "docs_url": None, "redoc_url": None}
 
 
+#: A video request's body as OpenAPI documents it: JSON, or the multipart form OpenAI's client sends (`read_video`).
+VIDEO_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            kind: {"schema": VideoCreateRequest.form_schema()} for kind in ("application/json", "multipart/form-data")
+        },
+    }
+}
+VIDEO_FILE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the video as MP4 (H.264; its sha256 is the video's `sha256`, its provenance in its `comment` tag)",
+        "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+async def read_video(request: Request) -> VideoCreateRequest:
+    """A video request from a JSON body or a multipart form (text fields; a file, OpenAI's `input_reference`, is
+    refused by its name). Its content type and size were checked by its route (`BodyCheckedRoute`)."""
+    if media_type(request) == "application/json":
+        try:
+            return VideoCreateRequest.model_validate(decode_json(await request.body()))
+        except ValidationError as err:
+            raise invalid_request(err) from None
+    fields: dict[str, str | bytes] = {}
+    async with request.form(max_files=2, max_fields=32) as form:
+        for name, value in form.multi_items():
+            if name in fields:
+                raise InvalidRequestError(f"{name} is given more than once", param=name)
+            fields[name] = b"unread" if isinstance(value, UploadFile) else value
+    return VideoCreateRequest.from_form(fields)
+
+
+def _serve_videos(api: FastAPI, videos: VideoFront | None, respond) -> None:
+    """OpenAI's Videos API where the app serves videos: create a job, poll it, download its MP4, delete it
+    (`orchestration.video_jobs`)."""
+    if videos is None:
+        return
+
+    async def create(request: Request) -> Video:
+        return await videos.create(await read_video(request))
+
+    async def content(video_id: str, variant: str) -> Response:
+        if variant != "video":
+            raise InvalidRequestError(
+                f"variant {variant!r} is not served: a video's content is its MP4 (variant 'video')", param="variant"
+            )
+        video, mp4 = await videos.content(video_id)
+        headers = {"ETag": f'"{video.sha256}"', "Content-Disposition": f'inline; filename="{video_id}.mp4"'}
+        return Response(mp4, media_type="video/mp4", headers=headers)
+
+    @api.post("/v1/videos", response_model=Video, responses=ERRORS, openapi_extra=VIDEO_BODY)
+    async def videos_create(request: Request):
+        return await respond(create(request))
+
+    @api.get("/v1/videos/{video_id}", response_model=Video, responses=ERRORS)
+    async def videos_retrieve(video_id: str):
+        return await respond(videos.get(video_id))
+
+    @api.get("/v1/videos/{video_id}/content", responses={**ERRORS, **VIDEO_FILE})
+    async def videos_content(video_id: str, variant: str = "video"):
+        return await respond(content(video_id, variant))
+
+    @api.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)
+    async def videos_delete(video_id: str):
+        return await respond(videos.delete(video_id))
+
+
 def _serve_documents(api: FastAPI, ingress: Ingress) -> None:
     """/openapi.json, narrowed to this deployment (`orchestration.openapi`), and /docs rendering it."""
 
@@ -355,12 +432,14 @@ def _serve_documents(api: FastAPI, ingress: Ingress) -> None:
         return get_swagger_ui_html(openapi_url=f"{request.scope.get('root_path', '')}/openapi.json", title="omniserve")
 
 
+DESCRIPTION = (
+    "Reproducible two-stage (LLM -> diffusion) generation; OpenAI-compatible Images, Videos (where served) and Chat "
+    "routes."
+)
+
+
 def build_api(ingress: Ingress) -> FastAPI:
-    api = FastAPI(
-        title="omniserve",
-        description="Reproducible two-stage (LLM -> diffusion) generation; OpenAI-compatible Images and Chat routes.",
-        **OWN_DOCUMENTS,
-    )
+    api = FastAPI(title="omniserve", description=DESCRIPTION, **OWN_DOCUMENTS)
     api.router.route_class = BodyCheckedRoute
     timeout_s = ingress.config.ingress.request_timeout_s
 
@@ -412,6 +491,7 @@ def build_api(ingress: Ingress) -> FastAPI:
             return report
         return JSONResponse(report.model_dump(exclude_none=True), status_code=report.http_status)
 
+    _serve_videos(api, ingress.videos, respond)
     _serve_documents(api, ingress)
     mount_playground(api)  # GET /: the playground page and its assets
     return api

@@ -2,6 +2,7 @@
 
     client -> Ingress -> LLMStage.enhance (seed s_i) -> DiffusionStage.generate (seed s_i) -> client
                      -> ImageStore (the files `response_format: "url"` links to)
+                     -> VideoJobs -> LLMStage.enhance (seed) -> VideoStage.render (seed)   (`video` configured)
 
 Each deployment gets its typed config whole, Serve's options included. Both batch-invariance switches are
 resolved here, once, in the process that builds the app (`AppConfig.with_resolved_switches`).
@@ -16,11 +17,13 @@ from ray import serve
 from ray.serve import Deployment
 
 from stages.diffusion import DiffusionStage
+from stages.diffusion.video_stage import VideoStage
 from stages.llm import LLMStage
 
-from .config import DEPLOYMENT_NAMES, AppConfig
+from .config import DEPLOYMENT_NAMES, VIDEO_JOBS_NAME, AppConfig
 from .image_store import ImageStore
 from .ingress import Ingress
+from .video_jobs import VideoJobs
 
 
 def build_app(config: AppConfig | Mapping[str, Any] | None = None) -> serve.Application:
@@ -39,10 +42,18 @@ def build_app(config: AppConfig | Mapping[str, Any] | None = None) -> serve.Appl
         .bind(config.diffusion)
     )
     files = cast(Deployment, ImageStore).bind(config.ingress.image_url_store_mib << 20, config.ingress.image_url_ttl_s)
+    videos = None
+    if config.video is not None:
+        video = (
+            cast(Deployment, VideoStage)
+            .options(name=DEPLOYMENT_NAMES["video"], **config.video.deployment_options())
+            .bind(config.video)
+        )
+        videos = cast(Deployment, VideoJobs).options(name=VIDEO_JOBS_NAME).bind(llm, video, config)
     return (
         cast(Deployment, Ingress)
         .options(name=DEPLOYMENT_NAMES["ingress"], **config.ingress.deployment_options())
-        .bind(llm, diffusion, config, files)
+        .bind(llm, diffusion, config, files, videos)
     )
 
 

@@ -21,11 +21,14 @@ from contracts.config import (
     DiffusionStageConfig,
     IngressConfig,
     LLMStageConfig,
+    VideoStageConfig,
 )
 from contracts.invariance import STAGES, Switches, resolve_batch_invariant
 
 #: Deployment names (fixed: Serve config files, /health and operators refer to them).
-DEPLOYMENT_NAMES = {"ingress": "Ingress", "llm": "LLMStage", "diffusion": "DiffusionStage"}
+#: Each config section's deployment (`video`'s only where it is set: `AppConfig.parts`); the video jobs' has no section.
+DEPLOYMENT_NAMES = {"ingress": "Ingress", "llm": "LLMStage", "diffusion": "DiffusionStage", "video": "VideoStage"}
+VIDEO_JOBS_NAME = "VideoJobs"
 
 
 class AppConfig(BaseModel):
@@ -37,6 +40,8 @@ class AppConfig(BaseModel):
     llm: LLMStageConfig = Field(default_factory=LLMStageConfig)
     diffusion: DiffusionStageConfig = Field(default_factory=DiffusionStageConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    # The video stage and the Videos API (`/v1/videos`); None: not served (`video: {}` serves the tiny Wan).
+    video: VideoStageConfig | None = None
 
     def with_resolved_switches(self) -> AppConfig:
         """Each stage's `batch_invariant` decided now (config, else environment), as an explicit bool.
@@ -52,6 +57,9 @@ class AppConfig(BaseModel):
             )
             for stage in STAGES
         }
+        if self.video is not None:  # a diffusion deployment: the diffusion stage's environment decides it unless set
+            resolved = resolve_batch_invariant("diffusion", override=self.video.batch_invariant)
+            update["video"] = self.video.model_copy(update={"batch_invariant": resolved})
         return self.model_copy(update=update)
 
     @property
@@ -68,6 +76,11 @@ class AppConfig(BaseModel):
 
     def deployment(self, part: str) -> DeploymentConfig:
         return getattr(self, part)
+
+    @property
+    def parts(self) -> list[str]:
+        """The config sections whose deployments this app runs (`video` only where set)."""
+        return [part for part in DEPLOYMENT_NAMES if getattr(self, part) is not None]
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> AppConfig:

@@ -229,12 +229,12 @@ class HealthProbe:
     def replica_counts(self) -> dict[str, dict]:
         """Configured and running replicas per deployment, from Serve's status (config alone if unavailable)."""
         counts: dict[str, dict[str, Any]] = {
-            part: {"configured": self.config.deployment(part).configured_replicas} for part in DEPLOYMENT_NAMES
+            part: {"configured": self.config.deployment(part).configured_replicas} for part in self.config.parts
         }
         try:
             app = serve.status().applications[serve.get_replica_context().app_name]
-            for part, name in DEPLOYMENT_NAMES.items():
-                deployment = app.deployments.get(name)
+            for part in self.config.parts:
+                deployment = app.deployments.get(DEPLOYMENT_NAMES[part])
                 if deployment is not None:
                     states = {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}
                     status = str(getattr(deployment.status, "value", deployment.status))

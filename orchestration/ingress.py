@@ -5,6 +5,8 @@
     POST /v1/images/edits         the same, from an image (multipart): admit it -> ... the job carries the image
     POST /v1/chat/completions     the LLM stage alone
     GET  /v1/images/{id}          a file a request with `response_format: "url"` linked to (the ImageStore's)
+    POST /v1/videos               (an app with `video`) admit -> a video job (VideoJobs): LLM enhance -> video stage
+    GET  /v1/videos/{id}[/content], DELETE /v1/videos/{id}    the job, its MP4, its end
     GET  /v1/models               the served models, OpenAI's list format
     GET  /v1/loras                the LoRA adapters a request's `lora` may name (an extension)
     GET  /health                  each stage running/degraded/down and why, switches, kernels, replica counts
@@ -47,6 +49,7 @@ from .pipeline import ImagePipeline, ImagePlan, RewriteCache, admit_chat, admit_
 from .responses import chat_chunks, chat_response
 from .result_cache import ResultCache, chat_key, exact
 from .retries import Retrying
+from .video_jobs import VideoFront
 
 
 @serve.deployment
@@ -54,8 +57,17 @@ from .retries import Retrying
 class Ingress:
     """Admission, fan-out to the stages, response assembly. `config` arrives with both switches resolved."""
 
-    def __init__(self, llm: DeploymentHandle, diffusion: DeploymentHandle, config: AppConfig, files: DeploymentHandle):
+    def __init__(
+        self,
+        llm: DeploymentHandle,
+        diffusion: DeploymentHandle,
+        config: AppConfig,
+        files: DeploymentHandle,
+        videos: DeploymentHandle | None = None,
+    ):
         self.config = config
+        # The Videos API's side here (orchestration.video_jobs); None: the app serves no videos.
+        self.videos = VideoFront(videos, config) if videos is not None else None
         # A model card's `created` (OpenAI: when the model was made, which a served directory does not say): when this
         # replica started, so a card is the same on every call (a per-call time once differed between list and get).
         self.started = int(time.time())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel
 
@@ -69,6 +69,7 @@ def served_schema(
     chat = components.get("ChatCompletionRequest")
     if chat is not None:
         _narrow_chat(chat, config, llm)
+    _narrow_videos(document, config)
     _declare_events(document, components)
     for schema in components.values():
         for field in schema.get("properties", {}).values():
@@ -135,6 +136,20 @@ def _narrow_images(
     schedulers = rules.get("schedulers", [])
     _only(properties, "scheduler", schedulers) if schedulers else properties.pop("scheduler", None)
     _rewritten_prompt_fits(schema, llm)
+
+
+def _narrow_videos(document: dict[str, Any], config: AppConfig) -> None:
+    """A video body (JSON and form alike): its seed required under the video stage's invariance, its model, steps and
+    frames within the video stage's config (the model's own frame rule, Wan's 4k + 1, is the stage's to say)."""
+    body = document["paths"].get("/v1/videos", {}).get("post", {}).get("requestBody", {})
+    for content in body.get("content", {}).values():
+        schema, video = content["schema"], config.video
+        assert video is not None  # the routes exist only where the app serves videos
+        if video.batch_invariant:
+            _require(schema, "seed")
+        _only(schema["properties"], "model", [cast(str, video.model), "video"])
+        _nullable(schema["properties"], "num_inference_steps")["maximum"] = video.max_inference_steps
+        _nullable(schema["properties"], "num_frames")["maximum"] = video.max_frames
 
 
 def _narrow_chat(schema: dict[str, Any], config: AppConfig, llm: dict[str, Any]) -> None:

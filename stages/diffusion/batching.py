@@ -4,7 +4,8 @@ StepBatching         the pipelines the step engine knows (`stages.diffusion.engi
                      between denoising steps, cancelled ones leave at the next step boundary; image edits
                      (image-to-image, `stages.diffusion.engine.img2img`) run there only.
 RequestBatching      any other pipeline: one @serve.batch queue per batch key, whole requests.
-previews_then_image  one job as a stream: its previews as the engine decodes them, then its image.
+updates_then_result  one job as a stream: its previews as the engine decodes them (and, asked, its progress after
+                     each step), then its image or video.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, cast
 from ray import serve
 
 from contracts.config import DiffusionStageConfig
-from contracts.results import PartialImage, RenderedImage
+from contracts.results import PartialImage, RenderedImage, RenderProgress
 from stages.diffusion.engine import Sample, StepEngine
 from stages.metrics import record_queue_wait
 
@@ -39,8 +40,9 @@ class StepBatching:
         )
         self.rendered = rendered  # (job, float image, batch_size, steps_co_batched, steps_computed) -> RenderedImage
 
-    async def render(self, job: Job, on_preview=None) -> RenderedImage:
-        """Render one job; `on_preview(index, float image)` is called on the engine's thread at `job.previews`."""
+    async def render(self, job: Job, on_preview=None, on_step=None) -> RenderedImage:
+        """Render one job; `on_preview(index, float image)` is called on the engine's thread at `job.previews`,
+        `on_step(steps done)` after each step."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -59,6 +61,7 @@ class StepBatching:
                 image=job.image,
                 on_partial=on_preview,
                 partial_steps=job.previews if on_preview else (),
+                on_step=on_step,
             )
         )
         try:
@@ -98,8 +101,9 @@ class RequestBatching:
         # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
 
-    async def render(self, job: Job, on_preview=None) -> RenderedImage:
-        """Render one job in a whole-request batch: no partial images (the pipeline has no step boundary to show)."""
+    async def render(self, job: Job, on_preview=None, on_step=None) -> RenderedImage:
+        """Render one job in a whole-request batch: no partial images nor progress (the pipeline has no step boundary
+        to show)."""
         return await self._queue((BatchKey.of(job.params), self.renderer.request_group(job)))(job)
 
     def _queue(self, key: tuple[BatchKey, tuple[int, ...]]):
@@ -153,16 +157,21 @@ def _settle(future: asyncio.Future, result: Any) -> None:
         future.set_result(result)
 
 
-async def previews_then_image(render, job: Job):
-    """`render(job, on_preview)` as a stream: each PartialImage as the engine decodes it, then the RenderedImage."""
+async def updates_then_result(render, job: Job, *, progress: bool = False):
+    """`render(job, on_preview, on_step)` as a stream: each PartialImage as the engine decodes it and (`progress`) a
+    RenderProgress after each step, then the result (RenderedImage, RenderedVideo)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    steps = cast(int, job.params.num_inference_steps)  # resolved: set
 
     def preview(index: int, picture: Any) -> None:  # on the engine's thread, before its image is done
         partial = PartialImage(index=index, png=encode_png(picture), height=job.params.height, width=job.params.width)
         loop.call_soon_threadsafe(queue.put_nowait, partial)
 
-    rendering = asyncio.ensure_future(render(job, preview))
+    def step(done: int) -> None:  # on the engine's thread
+        loop.call_soon_threadsafe(queue.put_nowait, RenderProgress(step=done, steps=steps))
+
+    rendering = asyncio.ensure_future(render(job, preview, step if progress else None))
     rendering.add_done_callback(lambda _: queue.put_nowait(None))
     try:
         while (item := await queue.get()) is not None:

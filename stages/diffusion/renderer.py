@@ -92,8 +92,9 @@ SERVED_CALL_PARAMETERS = (
 )
 
 
-def check_serves(pipeline: type, model: str) -> None:
-    """Refuse, at start-up, a pipeline class this stage cannot call, naming the class and what its call lacks."""
+def check_serves(pipeline: type, model: str, video: bool = False) -> None:
+    """Refuse, at start-up, a pipeline class this stage cannot call, naming the class and what its call lacks; a video
+    pipeline (its call takes `num_frames`) is the video stage's only (`video`), an image one the image stage's."""
     accepted = inspect.signature(pipeline.__call__).parameters
     missing = [name for name in SERVED_CALL_PARAMETERS if name not in accepted]
     if missing:
@@ -101,13 +102,14 @@ def check_serves(pipeline: type, model: str) -> None:
             f"diffusion model {model!r} is a {pipeline.__name__}, which this stage cannot serve: its call takes no "
             f"{', '.join(missing)} (a text-to-image pipeline takes {', '.join(SERVED_CALL_PARAMETERS)})"
         )
-    if "num_frames" in accepted:  # its output is frames, not images
-        raise ModelDirectoryError(
-            f"diffusion model {model!r} is a {pipeline.__name__}, a video pipeline: this stage serves images"
+    if ("num_frames" in accepted) != video:  # frames or images: what the stage encodes and answers with
+        kind, stage = (
+            ("a video", "the image stage serves images") if not video else ("an image", "the video stage serves videos")
         )
+        raise ModelDirectoryError(f"diffusion model {model!r} is a {pipeline.__name__}, {kind} pipeline: {stage}")
 
 
-def check_model_directory(model: str) -> dict[str, Any]:
+def check_model_directory(model: str, video: bool = False) -> dict[str, Any]:
     """A local `model` must be what `save_pretrained` writes: a model_index.json naming a pipeline class diffusers has;
     returns that index ({} for a hub id, left to diffusers). Raises ModelDirectoryError naming what was found instead."""
     import json
@@ -138,12 +140,13 @@ def check_model_directory(model: str) -> dict[str, Any]:
             f"diffusion model {model!r}: its model_index.json names the pipeline class {pipeline!r}, which diffusers "
             f"{diffusers.__version__} does not have"
         )
-    check_serves(getattr(diffusers, pipeline), model)  # before any weights load
+    check_serves(getattr(diffusers, pipeline), model, video)  # before any weights load
     return components
 
 
-def load_pipeline(model: str, *, device: str, dtype: str):
-    """An embedded tiny pipeline (built locally) or a diffusers checkpoint, on `device`, progress bars off."""
+def load_pipeline(model: str, *, device: str, dtype: str, video: bool = False):
+    """An embedded tiny pipeline (built locally) or a diffusers checkpoint, on `device`, progress bars off; `video`: for
+    the video stage (a checkpoint of the other kind is refused, before its weights load when it is a directory)."""
     import torch
 
     if model in EMBEDDED_MODELS:
@@ -154,9 +157,9 @@ def load_pipeline(model: str, *, device: str, dtype: str):
         from diffusers import DiffusionPipeline
 
         # Components saved as absent ([null, null], e.g. SD3 without T5) must be said absent again at load.
-        absent = {name: None for name, entry in check_model_directory(model).items() if entry == [None, None]}
+        absent = {name: None for name, entry in check_model_directory(model, video).items() if entry == [None, None]}
         pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, dtype), **absent)
-        check_serves(type(pipe), model)  # a hub id's class is known once loaded
+        check_serves(type(pipe), model, video)  # a hub id's class is known once loaded
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -248,7 +251,7 @@ class DiffusionRenderer:
                 f"replica refuses to start: {self.kernels.reason}"
             )
         self.model = config.model or DEFAULT_MODELS["diffusion"]
-        self.pipe = load_pipeline(self.model, device=self.device, dtype=config.dtype)
+        self.pipe = load_pipeline(self.model, device=self.device, dtype=config.dtype, video=config.serves_video)
         self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters
         # Stretching one sigma to a terminal value divides 0 by 0 in diffusers' FlowMatchEulerDiscreteScheduler
         # (Qwen-Image's): its image would be NaN.

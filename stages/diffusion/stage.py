@@ -28,8 +28,8 @@ from stages.metrics import image_counted, record_switch_state, timed_stage_call
 from stages.scope import diffusion_scope
 
 from .admission import Admission
-from .batching import RequestBatching, StepBatching, previews_then_image
-from .renderer import DiffusionRenderer, Job, encode_png, request_rules
+from .batching import RequestBatching, StepBatching, updates_then_result
+from .renderer import DiffusionRenderer, Job, check_serves, encode_png, request_rules
 
 
 @serve.deployment
@@ -42,6 +42,7 @@ class DiffusionStage:
         self.config = config.model_copy(update={"batch_invariant": batch_invariant})
         self.batch_invariant = batch_invariant
         self.renderer = DiffusionRenderer(self.config)
+        check_serves(type(self.renderer.pipe), self.renderer.model, self.config.serves_video)  # embedded ones too
         # What each image's record says of this stage (every Provenance field, so one added there is written too).
         self.provenance = Provenance(
             model=self.renderer.model, batch_invariant=batch_invariant, kernel_backend=self.renderer.kernels.backend
@@ -67,7 +68,7 @@ class DiffusionStage:
         `options(stream=True)`; `contracts.jobs.final_image` takes the image alone.
 
         Previews come from the step engine only (whole-request batching has no step to show: the image alone)."""
-        async for item in previews_then_image(self._render, self._job(job)):
+        async for item in updates_then_result(self._render, self._job(job)):
             yield item
 
     def _job(self, job: RenderJob) -> Job:
@@ -76,7 +77,7 @@ class DiffusionStage:
         self.scope.admit(cast(int, admitted.params.width), cast(int, admitted.params.height))
         return admitted
 
-    async def _render(self, job: Job, on_preview=None) -> RenderedImage:
+    async def _render(self, job: Job, on_preview=None, on_step=None) -> Any:
         """Render an admitted job; past `max_queued` requests in flight, QueueFullError."""
         if self.in_flight >= self.config.max_queued:
             raise QueueFullError(
@@ -86,17 +87,21 @@ class DiffusionStage:
         self.in_flight += 1
         try:
             with timed_stage_call("diffusion", method):
-                return image_counted(method, await self.batching.render(job, on_preview))
+                return image_counted(method, await self.batching.render(job, on_preview, on_step))
         finally:
             self.in_flight -= 1
+
+    def _made(self, job: Job) -> tuple[Provenance, ImageRecord]:
+        """What a finished job's file records: this replica's provenance at the job's size, and the whole record."""
+        provenance = self.provenance.model_copy(
+            update=self.scope.provenance(self.scope.for_size(cast(int, job.params.width), cast(int, job.params.height)))
+        )
+        return provenance, ImageRecord.of(job.prompt, job.params, provenance, job.origin, job.source)
 
     def _rendered(
         self, job: Job, image: Any, batch_size: int, steps_co_batched: int, steps_computed: int
     ) -> RenderedImage:
-        provenance = self.provenance.model_copy(
-            update=self.scope.provenance(self.scope.for_size(cast(int, job.params.width), cast(int, job.params.height)))
-        )
-        record = ImageRecord.of(job.prompt, job.params, provenance, job.origin, job.source)
+        provenance, record = self._made(job)
         png = encode_png(image, record)
         return RenderedImage(
             png=png,

@@ -1,9 +1,10 @@
 """The app end to end, shared by the modules of this package: started once, the way the README shows.
 
   "/"     both switches on, LLM 1 replica, diffusion 2 replicas (co-batching, reproduction, bad inputs,
-          the openai client, both replicas serving identical bytes)
+          the openai client, both replicas serving identical bytes), and the video stage (the tiny Wan, 1 replica)
   "/off"  both switches off, the LLM scaled to zero (enhance_prompt=false only), a one-slot diffusion
-          queue (seedless requests served with their seed returned; 503 + Retry-After when full)
+          queue (seedless requests served with their seed returned; 503 + Retry-After when full), and the video
+          stage with its switch off (the control of the videos' co-batching)
   "/small" both switches on, limits so small that any valid request renders in about a second (the schema fuzzer
           draws requests at every bound) and a short LLM context; started by the first test that asks for it
 
@@ -15,8 +16,14 @@ import time
 import httpx
 import pytest
 
+from contracts.cpu import cpu_isa, supported_isas
+
 STEPS = 4
 TIMEOUT_S = 180
+#: The video stages' kernel path: avx512 where the CPU runs it, since there the tiny Wan's control varies (18 of 19
+#: co-batched audit runs differ, kernels off); on avx2 it never varied, so the control test would only skip.
+VIDEO_PATH = "avx512" if "avx512" in supported_isas() else cpu_isa()
+VIDEO_ACTOR = {"num_cpus": 0.1, "runtime_env": {"env_vars": {"OMNISERVE_CPU_ISA": VIDEO_PATH}}}
 MAIN = {
     "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.3}, "torch_threads": 1},
     "diffusion": {
@@ -30,6 +37,7 @@ MAIN = {
     # No rewrite cache: a repeated request must reach the LLM stage again, so that these tests keep proving the
     # stage's own invariance (the cache is tested in test_rewrite_cache.py).
     "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "rewrite_cache_entries": 0},
+    "video": {"batch_invariant": True, "ray_actor_options": VIDEO_ACTOR, "defaults": {"num_inference_steps": STEPS}},
 }
 OFF = {
     "llm": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3},
@@ -37,6 +45,7 @@ OFF = {
     "diffusion": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3}, "max_batch_size": 1,
                   "max_queued": 1, "batch_wait_timeout_s": 0.0, "defaults": {"num_inference_steps": STEPS}},
     "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+    "video": {"batch_invariant": False, "ray_actor_options": VIDEO_ACTOR, "defaults": {"num_inference_steps": STEPS}},
 }
 
 

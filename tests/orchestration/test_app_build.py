@@ -10,13 +10,13 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from contracts.config import DiffusionStageConfig, LLMStageConfig
+from contracts.config import DiffusionStageConfig, LLMStageConfig, VideoStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.http import ChatCompletionRequest, ImageGenerationRequest
 from contracts.invariance import SeedContractError, Switches
 from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
 from orchestration.app import app_builder, build_app
-from orchestration.config import DEPLOYMENT_NAMES, AppConfig
+from orchestration.config import DEPLOYMENT_NAMES, VIDEO_JOBS_NAME, AppConfig
 from orchestration.pipeline import admit_chat, admit_images
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def bound(app):
     """(ingress deployment, llm deployment, diffusion deployment, the ingress's AppConfig) of a built app."""
     ingress = app._bound_deployment
-    llm_app, diffusion_app, config, files = ingress.init_args
+    llm_app, diffusion_app, config, files, _videos = ingress.init_args
     assert files._bound_deployment.init_args == (config.ingress.image_url_store_mib << 20, config.ingress.image_url_ttl_s)
     return ingress, llm_app._bound_deployment, diffusion_app._bound_deployment, config
 
@@ -48,6 +48,15 @@ def test_example_app_imports_and_builds_on_embedded_defaults(clean_switches):
     assert isinstance(stage_config(llm), LLMStageConfig) and isinstance(stage_config(diffusion), DiffusionStageConfig)
     assert stage_config(llm).model is None and stage_config(diffusion).model is None  # None: the embedded models
     assert callable(example.app_builder)
+    # The example serves videos too: the jobs deployment, bound with the LLM and the video stage (the tiny Wan).
+    jobs = ingress.init_args[-1]._bound_deployment
+    _, video, config = jobs.init_args
+    assert (jobs.name, video._bound_deployment.name) == (VIDEO_JOBS_NAME, DEPLOYMENT_NAMES["video"])
+    assert isinstance(stage_config(video._bound_deployment), VideoStageConfig) and config.video.model == "omniserve/tiny-wan-video"
+
+
+def test_an_app_without_video_binds_no_video_deployments():
+    assert build_app()._bound_deployment.init_args[-1] is None
 
 
 def test_default_resource_requests_fit_a_two_cpu_box():
@@ -100,7 +109,7 @@ def test_each_stage_receives_its_config_whole_and_serve_options_come_from_it():
     assert llm.max_ongoing_requests == 7 and ingress.max_ongoing_requests == expected.ingress.max_ongoing_requests
     assert diffusion.num_replicas == 3 and diffusion._deployment_config.health_check_period_s == 2
     assert settings.diffusion.defaults.num_inference_steps == 4
-    assert {part: settings.deployment(part).configured_replicas for part in DEPLOYMENT_NAMES} == {
+    assert {part: settings.deployment(part).configured_replicas for part in settings.parts} == {
         "ingress": 1, "llm": 1, "diffusion": 3}
 
 

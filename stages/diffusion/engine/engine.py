@@ -164,6 +164,8 @@ class StepEngine:
             sample.steps_computed += 1
             sample.largest_batch = max(sample.largest_batch, len(computed))
             sample.steps_co_batched += len(computed) > 1
+        for sample in batch:
+            sample.stepped()
         self._partials([s for s in batch if s.on_partial and s.step in s.partial_steps and not s.cancelled])
         finished = [s for s in batch if s.finished]
         if finished:

@@ -45,6 +45,7 @@ from diffusers import (
 from diffusers.utils.torch_utils import randn_tensor
 
 from contracts.errors import InvalidRequestError
+from contracts.sampling import DiffusionSamplingParams
 
 from ..lora import AdapterLibrary, LoraAdapter, RowLora
 from .img2img import prepare_edit
@@ -747,8 +748,10 @@ class WanFamily(Family):
         another): the zero padding is attended to, so it must be the pipeline's."""
         return inspect.signature(type(self.pipe).__call__).parameters["max_sequence_length"].default
 
-    def frames(self, sample: Sample) -> int:
-        frames, step = sample.params.num_frames or self.DEFAULT_FRAMES, self.pipe.vae_scale_factor_temporal
+    def frames(self, params: DiffusionSamplingParams) -> int:
+        """The frames `params` ask for (None: DEFAULT_FRAMES), refused (a 400 naming `num_frames`) where the VAE
+        cannot make them."""
+        frames, step = params.num_frames or self.DEFAULT_FRAMES, self.pipe.vae_scale_factor_temporal
         if (frames - 1) % step:
             raise InvalidRequestError(
                 f"num_frames must be {step}k + 1 for this model (its VAE compresses time {step}x), got {frames}",
@@ -780,7 +783,7 @@ class WanFamily(Family):
             self.denoiser.config.in_channels,
             height,
             width,
-            self.frames(sample),
+            self.frames(sample.params),
             torch.float32,  # the pipeline's own latents dtype, whatever the transformer's
             self.device,
             sample.generator,

@@ -33,6 +33,7 @@ class Sample:
     on_done: Callable[[Any], None] | None
     on_partial: Callable[[int, Any], None] | None = None  # (partial index, float image) at `partial_steps`
     partial_steps: tuple[int, ...] = ()
+    on_step: Callable[[int], None] | None = None  # (steps done) after each of its denoising steps: progress
     # Image edits: the init image, preprocessed by the pipeline's image processor, (1, 3, H, W); None: text-to-image.
     image: Any = None
     arrival: int = 0
@@ -86,6 +87,11 @@ class Sample:
             if self.timesteps is not None
             else cast(int, self.params.num_inference_steps)
         )
+
+    def stepped(self) -> None:
+        """Tell its caller (progress) that a step is done."""
+        if self.on_step is not None and not self.cancelled:
+            self.on_step(self.step)
 
     @property
     def finished(self) -> bool:
