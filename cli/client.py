@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -120,6 +121,31 @@ def generate(url: str, body: dict, out_dir: Path, *, log: TextIO | None = None) 
     for path, event in (written[i] for i in sorted(written)):  # after the bar: stdout and stderr may share a terminal
         print(f"{path}\tseed={event['seed']}\tsha256={event['sha256']}")
     return [path for path, _ in (written[i] for i in sorted(written))]
+
+
+def video(url: str, body: dict, out_dir: Path, *, log: TextIO | None = None, poll_s: float = 0.2) -> Path:
+    """Create one video job (`POST /v1/videos`), show its progress until it finishes, write its MP4 as
+    `<out_dir>/video-<seed>.mp4` (its sha256 checked against the job's) and print it with its seed and sha256."""
+    out = log or sys.stderr
+    job = post_json(url, "/v1/videos", body)
+    while job["status"] not in ("completed", "failed"):
+        time.sleep(poll_s)
+        job = get_json(url, f"/v1/videos/{job['id']}")
+        bar = "#" * (30 * job["progress"] // 100)
+        out.write(f"\r[{bar:<30}] {job['progress']:3d}% {job['status'].replace('_', ' ')}")
+        out.flush()
+    out.write("\n")
+    if job["status"] == "failed":
+        raise ServerError(f"video {job['id']} failed: {job['error']['message']}")
+    with _open(_request(url, f"/v1/videos/{job['id']}/content")) as response:
+        mp4 = response.read()
+    if hashlib.sha256(mp4).hexdigest() != job["sha256"]:
+        raise ServerError(f"video {job['id']}: its bytes do not match the sha256 the server sent")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"video-{job['seed']}.mp4"
+    path.write_bytes(mp4)
+    print(f"{path}\tseed={job['seed']}\tframes={job['num_frames']}\tsha256={job['sha256']}")
+    return path
 
 
 def reproduction(record: ImageRecord) -> dict:

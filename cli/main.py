@@ -466,24 +466,45 @@ def generate(args: argparse.Namespace) -> int:
     from cli.client import ServerError
     from cli.client import generate as stream_images
 
+    body = {**_sampling_body(args), "n": args.n, "partial_images": args.partial_images}
+    try:
+        stream_images(args.url, body, Path(args.out))
+    except ServerError as err:
+        print(f"omniserve generate: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _sampling_body(args: argparse.Namespace) -> dict:
+    """The request fields `generate` and `video` share, those given."""
     options = {
-        "n": args.n,
         "seed": args.seed,
         "size": args.size,
         "num_inference_steps": args.steps,
         "guidance_scale": args.guidance_scale,
         "negative_prompt": args.negative_prompt,
     }
-    body = {
+    return {
         "prompt": args.prompt,
         "enhance_prompt": not args.no_enhance,
-        "partial_images": args.partial_images,
         **{k: v for k, v in options.items() if v is not None},
     }
+
+
+def video(args: argparse.Namespace) -> int:
+    """One video job with a progress bar; write the MP4 into --out."""
+    from pathlib import Path
+
+    from cli.client import ServerError
+    from cli.client import video as make_video
+
+    extra = {"seconds": args.seconds, "num_frames": args.frames}
     try:
-        stream_images(args.url, body, Path(args.out))
+        make_video(
+            args.url, {**_sampling_body(args), **{k: v for k, v in extra.items() if v is not None}}, Path(args.out)
+        )
     except ServerError as err:
-        print(f"omniserve generate: {err}", file=sys.stderr)
+        print(f"omniserve video: {err}", file=sys.stderr)
         return 1
     return 0
 
@@ -529,17 +550,23 @@ def _client_parsers(commands) -> None:
         description="One streamed request; each image is written as OUT/image-<i>-<seed>.png "
         "with its provenance inside, and printed with its seed and sha256.",
     )
-    parser.add_argument("prompt")
+    _sampling_arguments(parser, "image i gets its own, derived from it")
     parser.add_argument("--n", type=int, help="images (default 1)")
-    parser.add_argument("--seed", type=int, help="the request's seed (image i gets its own, derived from it)")
-    parser.add_argument("--size", help="WIDTHxHEIGHT, e.g. 64x64 (default: the model's)")
-    parser.add_argument("--steps", type=int, help="denoising steps (default: the server's)")
-    parser.add_argument("--guidance-scale", type=float)
-    parser.add_argument("--negative-prompt")
-    parser.add_argument("--no-enhance", action="store_true", help="render the prompt as given (no LLM rewrite)")
     parser.add_argument("--partial-images", type=int, default=2, help="previews per image, 0-3 (default 2)")
     parser.add_argument("--out", default=".", help="directory for the PNGs (default: here)")
     parser.set_defaults(run=generate)
+    parser = commands.add_parser(
+        "video",
+        parents=[url],
+        help="generate a video on a running server (its Videos API), with progress",
+        description="One video job, polled until done; its MP4 is written as OUT/video-<seed>.mp4 with its "
+        "provenance inside, and printed with its seed, frames and sha256.",
+    )
+    _sampling_arguments(parser, "required where the video stage is batch invariant")
+    parser.add_argument("--seconds", help="length in seconds (seconds x the server's fps + 1 frames)")
+    parser.add_argument("--frames", type=int, help="frames, instead of --seconds (the tiny Wan: 4k + 1)")
+    parser.add_argument("--out", default=".", help="directory for the MP4 (default: here)")
+    parser.set_defaults(run=video)
     parser = commands.add_parser(
         "verify",
         parents=[url],
@@ -551,6 +578,16 @@ def _client_parsers(commands) -> None:
     parser.set_defaults(run=verify)
     parser = commands.add_parser("health", parents=[url], help="the server's stages, switches, kernels and replicas")
     parser.set_defaults(run=health)
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser, seed: str) -> None:
+    parser.add_argument("prompt")
+    parser.add_argument("--seed", type=int, help=f"the request's seed ({seed})")
+    parser.add_argument("--size", help="WIDTHxHEIGHT, e.g. 64x64 (default: the model's)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default: the server's)")
+    parser.add_argument("--guidance-scale", type=float)
+    parser.add_argument("--negative-prompt")
+    parser.add_argument("--no-enhance", action="store_true", help="render the prompt as given (no LLM rewrite)")
 
 
 def golden(args: argparse.Namespace) -> int:

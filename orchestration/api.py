@@ -493,5 +493,5 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     _serve_videos(api, ingress.videos, respond)
     _serve_documents(api, ingress)
-    mount_playground(api)  # GET /: the playground page and its assets
+    mount_playground(api, ingress.videos is not None)  # GET /: the playground page and its assets
     return api

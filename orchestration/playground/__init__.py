@@ -2,7 +2,8 @@
 
 Plain files in this package (no build step, nothing fetched from elsewhere): `index.html`, `playground.js`,
 `playground.css`. The page talks to this server's own routes only: `/v1/images/generations` (streamed when the
-route streams, whole otherwise) and `/health`. `mount(api)` adds the page and its assets to an app's FastAPI.
+route streams, whole otherwise), `/v1/videos` where the app serves videos, and `/health`. `mount(api, videos)` adds the
+page and its assets to an app's FastAPI.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from starlette.exceptions import HTTPException
 
 #: The page's assets by name -> media type: the only files served from this package.
 ASSETS = {"playground.js": "text/javascript; charset=utf-8", "playground.css": "text/css; charset=utf-8"}
-#: Where in the page the app's own base path goes (Serve may run the app under a route prefix).
-BASE_MARK = "{{base}}"
+#: Where in the page the app's own base path goes (Serve may run the app under a route prefix), and where the video
+#: button is hidden from an app that serves no videos.
+BASE_MARK, VIDEO_MARK = "{{base}}", "{{video}}"
 
 
 @cache
@@ -26,17 +28,18 @@ def read(name: str) -> str:
     return files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
-def page(root_path: str) -> str:
+def page(root_path: str, videos: bool) -> str:
     # Every URL in the page is relative to <base>, so the page works whatever prefix the app is served under.
-    return read("index.html").replace(BASE_MARK, html.escape(root_path.rstrip("/") + "/", quote=True))
+    base = html.escape(root_path.rstrip("/") + "/", quote=True)
+    return read("index.html").replace(BASE_MARK, base).replace(VIDEO_MARK, "" if videos else "hidden")
 
 
-def mount(api: FastAPI) -> None:
+def mount(api: FastAPI, videos: bool) -> None:
     """`GET /` (the page) and `GET /playground/<asset>`, left out of the API's OpenAPI schema."""
 
     @api.get("/", include_in_schema=False)
     async def playground(request: Request) -> HTMLResponse:
-        return HTMLResponse(page(request.scope.get("root_path", "")))
+        return HTMLResponse(page(request.scope.get("root_path", ""), videos))
 
     @api.get("/playground/{name}", include_in_schema=False)
     async def playground_asset(name: str) -> Response:

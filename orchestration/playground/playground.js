@@ -1,4 +1,5 @@
-// The playground page: a form -> POST v1/images/generations -> one card per image, each reproducible alone.
+// The playground page: a form -> POST v1/images/generations -> one card per image, each reproducible alone; or
+// (where the app serves videos) POST v1/videos -> one card playing the finished MP4.
 // Streamed (server-sent events read through fetch, since EventSource cannot POST) when partial images are asked
 // for and the route streams; the whole JSON response otherwise, and whenever streaming fails.
 "use strict";
@@ -259,7 +260,80 @@ async function generate(event) {
   }
 }
 
+// --- a video: POST v1/videos (the form's fields but n and partial images), polled, then its MP4 played ---------
+function newVideoCard() {
+  const card = document.createElement("figure");
+  card.className = "card pending video";
+  card.innerHTML = `
+    <div class="frame"><video controls loop muted playsinline aria-label="the video"></video><span class="placeholder">queued</span></div>
+    <figcaption><dl>
+      <dt>seed</dt><dd class="seed">-</dd>
+      <dt>frames</dt><dd class="frames">-</dd>
+      <dt>sha256</dt><dd class="sha256">-</dd>
+      <dt>revised prompt</dt><dd class="revised">-</dd>
+      <dt>batch size</dt><dd class="batch">-</dd>
+    </dl><span class="verdict"></span></figcaption>`;
+  results.replaceChildren(card);
+  return card;
+}
+
+async function answer(response) {
+  if (!response.ok) throw new Error(await errorText(response));
+  return response;
+}
+
+async function pollVideo(card, job) {
+  while (job.status === "queued" || job.status === "in_progress") {
+    card.querySelector(".placeholder").textContent = `${job.status.replace("_", " ")} ${job.progress}%`;
+    say(`video ${job.status.replace("_", " ")}: ${job.progress}%`);
+    await new Promise((resolve) => setTimeout(resolve, 200));
+    job = await (await answer(await fetch(`v1/videos/${job.id}`))).json();
+  }
+  if (job.status === "failed") throw new Error(`${job.error.message}` + (job.error.param ? ` (${job.error.param})` : ""));
+  return job;
+}
+
+// The file's own sha256, computed here, against the job's: the bytes played are the bytes the server made.
+async function showVideo(card, job, mp4) {
+  const digest = Array.from(new Uint8Array(await crypto.subtle.digest("SHA-256", mp4)), (b) => b.toString(16).padStart(2, "0")).join("");
+  const video = card.querySelector("video");
+  video.src = URL.createObjectURL(new Blob([mp4], { type: "video/mp4" }));
+  video.play().catch(() => {}); // autoplay may be refused; the controls remain
+  card.querySelector(".placeholder").remove();
+  card.classList.remove("pending");
+  field(card, "seed", job.seed);
+  field(card, "frames", `${job.num_frames} (${job.seconds} s at ${job.fps} fps)`);
+  field(card, "sha256", digest);
+  field(card, "revised", job.revised_prompt);
+  field(card, "batch", job.batch_size);
+  const verdict = card.querySelector(".verdict");
+  verdict.textContent = digest === job.sha256 ? "file matches its sha256" : "file differs from its sha256";
+  verdict.className = `verdict ${digest === job.sha256 ? "good" : "bad"}`;
+}
+
+async function makeVideo() {
+  const { n, response_format, ...body } = requestBody(); // eslint-disable-line no-unused-vars
+  const run = document.getElementById("run-video");
+  run.disabled = true;
+  const started = performance.now();
+  const card = newVideoCard();
+  try {
+    const created = await answer(await fetch("v1/videos", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+    }));
+    const job = await pollVideo(card, await created.json());
+    const mp4 = await (await answer(await fetch(`v1/videos/${job.id}/content`))).arrayBuffer();
+    await showVideo(card, job, mp4);
+    say(`a video of ${job.num_frames} frames in ${((performance.now() - started) / 1000).toFixed(1)} s`, "good");
+  } catch (error) {
+    say(`failed: ${error.message}`, "bad");
+  } finally {
+    run.disabled = false;
+  }
+}
+
 form.addEventListener("submit", generate);
+document.getElementById("run-video").addEventListener("click", makeVideo);
 document.getElementById("new-seed").addEventListener("click", () => { form.elements.seed.value = randomSeed(); });
 document.getElementById("refresh-health").addEventListener("click", refreshHealth);
 form.elements.seed.value = randomSeed();

@@ -28,11 +28,12 @@ INSTALL_HINT = "run `make browser` (as root it installs them: apt-get install ch
 
 def test_playground_page_and_assets_are_served_from_the_package_relative_to_the_app_prefix():
     api = FastAPI()
-    mount(api)
+    mount(api, videos=False)
     with TestClient(api, root_path="/off") as client:
         page = client.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert '<base href="/off/">' in page.text  # every URL in the page is relative to the app's own prefix
+        assert '<button type="button" id="run-video" hidden' in page.text  # no videos served: no video button
         texts = [page.text]
         for name in ASSETS:
             assert f'"playground/{name}"' in page.text
@@ -129,3 +130,28 @@ def save_screenshot(driver) -> None:
         assert shot.format == "PNG" and shot.width >= 800 and shot.height >= 600
         colours = shot.convert("RGB").getcolors(maxcolors=1 << 20)
         assert colours is None or len(colours) > 500, "a blank or nearly blank screenshot"  # text + noise images
+
+
+@pytest.mark.slow
+def test_playground_makes_a_video_and_plays_the_mp4_whose_sha256_it_shows_in_a_real_browser(server):
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    driver = browser()
+    try:
+        driver.get(f"{server}/")
+        button = driver.find_element("id", "run-video")
+        assert button.is_displayed()  # the app at "/" serves videos
+        fill(driver, prompt="a paper boat on a pond", seed=31337, num_inference_steps=4)
+        button.click()
+        WebDriverWait(driver, GENERATE_S).until(lambda d: d.find_elements("css selector", ".card.video:not(.pending)")
+                                                or "failed" in d.find_element("id", "status").text)
+        card = driver.find_element("css selector", ".card.video")
+        assert card.find_element("css selector", ".verdict").text == "file matches its sha256"
+        assert card.find_element("css selector", ".seed").text == "31337"
+        assert card.find_element("css selector", ".frames").text.startswith("9 (1 s at 8 fps)")
+        # The browser decodes the MP4 itself: its size, and a first frame shown.
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.querySelector('.card.video video').readyState") >= 2)
+        assert driver.execute_script("const v = document.querySelector('.card.video video'); return [v.videoWidth, v.videoHeight]") == [64, 64]
+        assert "a video of 9 frames" in driver.find_element("id", "status").text
+    finally:
+        driver.quit()

@@ -147,3 +147,19 @@ def test_the_served_document_declares_the_video_routes_as_the_server_enforces_th
         assert "input_reference" not in content["schema"]["properties"]
     assert {"get", "delete"} <= set(document["paths"]["/v1/videos/{video_id}"])
     assert "video/mp4" in document["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]["200"]["content"]
+
+
+def test_cli_video_shows_progress_and_writes_the_mp4_the_api_serves(server, http, tmp_path, capsys):
+    from cli.main import main
+
+    assert main(["video", PROMPT, "--url", server, "--seed", "7", "--size", "64x64", "--no-enhance", "--frames", "9",
+                 "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    path, seed, frames, sha256 = out.strip().split("\t")
+    assert (seed, frames) == ("seed=7", "frames=9") and "100% completed" in err
+    mp4 = (tmp_path / "video-7.mp4").read_bytes()
+    assert path == str(tmp_path / "video-7.mp4") and sha256 == f"sha256={hashlib.sha256(mp4).hexdigest()}"
+    same = _finished(http, _create(http)["id"])  # the same request through the API: seed 7, 64x64, 9 frames, as given
+    assert http.get(f"/v1/videos/{same['id']}/content").content == mp4
+    assert main(["video", PROMPT, "--url", server, "--frames", "10", "--out", str(tmp_path)]) == 1
+    assert "HTTP 400" in capsys.readouterr().err
