@@ -10,6 +10,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+#: The audit's batch sizes unless told (`--batch-sizes`).
+AUDIT_BATCH_SIZES = list(range(1, 9))
+
 
 def _ints(text: str) -> list[int]:
     """'1-8' or '1,2,4,8' -> a list of ints."""
@@ -58,7 +61,7 @@ def _diffusion_report(args: argparse.Namespace, command: list[str]) -> dict:
 def _parallel_report(args: argparse.Namespace, command: list[str]) -> dict:
     from stages.audit.parallel import DIT_MODELS, run_parallel_audit
 
-    if args.picture or args.path != "engine" or args.batch_sizes != list(range(1, 9)):
+    if args.picture or args.path != "engine" or args.batch_sizes != AUDIT_BATCH_SIZES:
         _log("--parallel renders one request on the step engine's family: --picture, --path, --batch-sizes unused")
     cfg, sp = args.parallel
     return run_parallel_audit(
@@ -293,7 +296,7 @@ def _audit_parser(commands) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the full report (runs, summary, environment)")
     parser.add_argument("--markdown", metavar="PATH", help="write the evidence table")
     parser.add_argument("--kernels", type=_words, default=["off", "on"], help="settings to run (default: off,on)")
-    parser.add_argument("--batch-sizes", type=_ints, default=list(range(1, 9)), help="e.g. 1-8 or 1,4,8")
+    parser.add_argument("--batch-sizes", type=_ints, default=AUDIT_BATCH_SIZES, help="e.g. 1-8 or 1,4,8")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--torch-threads",

@@ -7,7 +7,8 @@ reversed, shuffled, a neighbour's prompt mutated; batch sizes 1 to 8), with kern
             guidance, so they leave while the target runs on and share its forwards at other timesteps (and, for a
             family that packs sizes, FLUX, every other one is twice the target's side: the same calls, padded);
   pipeline  the diffusers pipeline itself on a whole-request batch of one key (request-level batching).
-Compared bit for bit: initial latents, final latents and decoded pixels. On a mismatch on the pipeline
+Compared bit for bit: initial latents, final latents and decoded pixels; for a video family also the encoded MP4 and
+the VAE's decode schedules (`stages.audit.video`). On a mismatch on the pipeline
 path the audit names the first module whose output for the target diverges (forward hooks comparing
 per-sample outputs).
 """
@@ -24,6 +25,7 @@ import torch
 from contracts.config import DiffusionStageConfig
 from contracts.sampling import DiffusionSamplingParams
 from stages.audit.record import scope_entry
+from stages.audit.video import file_bytes, is_video, schedules_run
 from stages.diffusion import DiffusionRenderer, Job
 from stages.embedded import embedded_models
 from stages.kernels import disable_batch_invariant_kernels
@@ -190,6 +192,10 @@ def compare(reference: Sample, other: Sample) -> dict:
             counts["max_abs_diff"] = float((a.double() - b.double()).abs().max())
     counts["differing_elements"] = sum(counts[f"{n}_differing"] for n in ("initial_latents", "final_latents", "pixels"))
     counts["total_elements"] = sum(counts[f"{n}_total"] for n in ("initial_latents", "final_latents", "pixels"))
+    if is_video(reference.pixels):  # and the file a client downloads: one element, its bytes equal or not
+        counts["file_differing"] = int(file_bytes(reference.pixels) != file_bytes(other.pixels))
+        counts["differing_elements"] += counts["file_differing"]
+        counts["total_elements"] += 1
     return counts
 
 
@@ -288,6 +294,12 @@ def audit_model(
             DiffusionSamplingParams(seed=TARGET[1], num_inference_steps=steps, height=size, width=size)
         )
         solo = render_path(renderer, [TARGET], params)[0]
+        if is_video(solo.pixels):  # the VAE's decode schedules, on the target's own latents
+            run = _run_row(model, setting, "", [TARGET], 0, dtype=dtype, size=size, steps=steps, path=path)
+            runs.append({**run, **schedules_run(renderer.family, solo.final_latents, solo.pixels)})
+            log(
+                f"[diffusion audit] {model} kernels={setting} {runs[-1]['ordering']}: {runs[-1]['differing_elements']} differ"
+            )
         worst: tuple[int, Sample | None] = (-1, None)
         for ordering, order, target in plans:
             sample = render_path(renderer, order, params)[target]

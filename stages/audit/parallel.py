@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from contracts.scope import Configuration
 from stages.audit.diffusion import TARGET
 from stages.audit.record import scope_entry
 from stages.diffusion.parallel import DEGREES, ParallelRender, render_parallel_runs
@@ -107,19 +108,13 @@ def audit_parallel_model(
     runs = [_run(model, dtype, size, steps, reference[r.kernels], r) for r in parallel]
     entries = [
         {
-            **scope_entry(model, _configuration(r), sizes=[f"{size}x{size}"], steps=steps),
+            **scope_entry(model, Configuration.model_validate(r.configuration), sizes=[f"{size}x{size}"], steps=steps),
             "parallel": grid_name(r.cfg, r.sp),
         }
         for r in parallel
         if r.kernels
     ]
     return runs, entries
-
-
-def _configuration(render: ParallelRender):
-    from contracts.scope import Configuration
-
-    return Configuration.model_validate(render.configuration)
 
 
 def run_parallel_audit(

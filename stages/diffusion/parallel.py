@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from contracts.config import DiffusionStageConfig
 from contracts.cpu import hold_process_to_path
 from contracts.sampling import DiffusionSamplingParams
+from contracts.scope import Configuration
 
 from .engine import Sample, StepEngine
 from .engine.families import DiTFamily, guided
@@ -302,8 +303,9 @@ def _resolved(renderer: DiffusionRenderer, job: ParallelJob) -> DiffusionSamplin
     return params
 
 
-def _render(renderer: DiffusionRenderer, comms: Collectives, job: ParallelJob) -> dict[str, Any]:
-    """One render of the job's request on this worker of `comms`' grid; rank 0's image and the measurements."""
+def _render(renderer: DiffusionRenderer, comms: Collectives, job: ParallelJob, base: Configuration) -> dict[str, Any]:
+    """One render of the job's request on this worker of `comms`' grid; rank 0's image and the measurements. `base`:
+    the worker's configuration (`diffusion_configuration`, its weights hashed once per worker)."""
     family = renderer.family
     assert isinstance(family, DiTFamily)  # checked by the worker
     sample = Sample(job.prompt, _resolved(renderer, job), on_done=None)
@@ -327,16 +329,13 @@ def _render(renderer: DiffusionRenderer, comms: Collectives, job: ParallelJob) -
         "render_s": time.perf_counter() - started,
         "sent_per_step": (comms.sent - sent) // steps,
         "calls_per_step": {kind: (n - calls[kind]) // steps for kind, n in comms.calls.items() if n > calls[kind]},
-        "configuration": _configuration(renderer, comms) if comms.rank == 0 else {},
+        "configuration": _configuration(base, comms) if comms.rank == 0 else {},
     }
 
 
-def _configuration(renderer: DiffusionRenderer, comms: Collectives) -> dict[str, Any]:
+def _configuration(configuration: Configuration, comms: Collectives) -> dict[str, Any]:
     """The render's configuration as a replica's would be described, its engine naming the grid when there is one:
     a record of a parallel render matches a replica that renders on that grid, never a single-worker one."""
-    from stages.scope import diffusion_configuration
-
-    configuration = diffusion_configuration(renderer, "step")
     if comms.cfg * comms.sp > 1:
         engine = {**configuration.engine, "parallel": {"cfg": comms.cfg, "sp": comms.sp}}
         configuration = configuration.model_copy(update={"engine": engine})
@@ -355,11 +354,13 @@ def _on_step_engine(renderer: DiffusionRenderer, job: ParallelJob) -> np.ndarray
 
 def _renders(renderer: DiffusionRenderer, grids: list[Collectives], job: ParallelJob) -> list[dict[str, Any]]:
     """Every grid's render, once per kernel setting; on workers outside a grid, an empty record."""
-    results = []
+    from stages.scope import diffusion_configuration
+
+    base, results = diffusion_configuration(renderer, "step"), []
     for kernels in job.kernels:
         _switch(kernels)
         for comms in grids:
-            result: dict[str, Any] = _render(renderer, comms, job) if comms.member else {"sent_per_step": 0}
+            result: dict[str, Any] = _render(renderer, comms, job, base) if comms.member else {"sent_per_step": 0}
             if comms.rank == 0 and job.step_engine and (comms.cfg, comms.sp) == (1, 1):
                 result["step_engine_image"] = _on_step_engine(renderer, job)
             results.append({**result, "kernels": kernels})
