@@ -137,7 +137,7 @@ class RenderProgress(Result):
 class StageDescription(Provenance):
     """A replica's own view of itself, for /health and /v1/models."""
 
-    stage: Literal["llm", "diffusion"]
+    stage: Literal["llm", "diffusion", "video"]
     replica: str | None = None
     running: bool  # its engine (vLLM's engine core, the diffusion compute thread) is alive and not stuck
     # Every process that runs the model installed the batch-invariant kernels (False when the switch is off).

@@ -33,14 +33,14 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from contracts.config import DeploymentConfig
-from contracts.invariance import STAGES, Stage, Switches
+from contracts.config import DeploymentConfig, StageConfig
+from contracts.invariance import Switches
 from contracts.results import StageDescription
 from contracts.scope import Verdict
 
@@ -190,14 +190,14 @@ def stage_health(switch: bool, wanted: int, replicas: dict[str, Any], answers: A
 
 
 class HealthProbe:
-    def __init__(self, handles: dict[Stage, DeploymentHandle], config: AppConfig):
-        self.handles = handles
+    def __init__(self, handles: Mapping[str, DeploymentHandle], config: AppConfig):
+        self.handles = handles  # each stage's describe(): "llm", "diffusion", and "video" where the app serves videos
         self.config = config
 
-    async def describe(self, stage: Stage) -> StageDescription:
+    async def describe(self, stage: str) -> StageDescription:
         return await asyncio.wait_for(self.handles[stage].describe.remote(), self.config.ingress.health_timeout_s)
 
-    async def describe_replicas(self, stage: Stage, running: int | None) -> list[StageDescription] | BaseException:
+    async def describe_replicas(self, stage: str, running: int | None) -> list[StageDescription] | BaseException:
         """One description per replica that answered (two calls per RUNNING replica, at once), else the error."""
         calls = min(2 * (running or 1), MAX_DESCRIBE_CALLS)
         results = await asyncio.gather(*(self.describe(stage) for _ in range(calls)), return_exceptions=True)
@@ -206,17 +206,19 @@ class HealthProbe:
 
     async def report(self) -> HealthResponse:
         replicas = await asyncio.to_thread(self.replica_counts)
-        asked = [stage for stage in STAGES if replicas[stage].get("running") != 0]  # never wake a stage scaled to zero
+        asked = [
+            stage for stage in self.handles if replicas[stage].get("running") != 0
+        ]  # never wake one scaled to zero
         described = [self.describe_replicas(stage, replicas[stage].get("running")) for stage in asked]
         answers = dict(zip(asked, await asyncio.gather(*described), strict=True))
         stages = {
             stage: stage_health(
-                self.config.switches.of(stage),
+                bool(cast(StageConfig, self.config.deployment(stage)).batch_invariant),  # resolved: a bool
                 wanted_replicas(self.config.deployment(stage)),
                 replicas[stage],
                 answers.get(stage),
             )
-            for stage in STAGES
+            for stage in self.handles
         }
         states = {health.state for health in stages.values()}
         return HealthResponse(

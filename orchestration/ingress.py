@@ -82,7 +82,8 @@ class Ingress:
             ResultCache("image", config.ingress.result_cache_mib << 20),
         )
         self.completions: ResultCache[Completion] = ResultCache("chat", config.ingress.result_cache_mib << 20)
-        self.probe = HealthProbe(self.handles, config)
+        described = {**cast(dict[str, DeploymentHandle], self.handles), **({"video": videos} if videos else {})}
+        self.probe = HealthProbe(described, config)
         self._served_models: dict[str, str] = {}
         self.document = ServedDocument(config)
         self.drain = Drain(replica_id())

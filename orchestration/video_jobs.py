@@ -31,7 +31,7 @@ from contracts.admission import admit_diffusion_params
 from contracts.config import VideoStageConfig
 from contracts.errors import InvalidRequestError, ModelNotFoundError, NotFoundError, QueueFullError
 from contracts.jobs import RenderJob
-from contracts.results import RenderedVideo, RenderProgress
+from contracts.results import RenderedVideo, RenderProgress, StageDescription
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import seed_or_picked
 from contracts.videos import Video, VideoCreateRequest, VideoDeleted, VideoError, clip_seconds
@@ -134,6 +134,10 @@ class VideoJobs:
             return False
         self._drop(video_id)
         return True
+
+    async def describe(self) -> StageDescription:
+        """A video stage replica's description, for /health (the ingress reaches the video stage through the jobs)."""
+        return await self.video.describe.remote()
 
     def stats(self) -> dict[str, float]:
         self._expire()

@@ -280,7 +280,7 @@ def audit_model(
     `scope`, when given, receives the kernels-on configuration (`stages.audit.record.scope_entry`)."""
     runs: list[dict] = []
     examples: dict[str, list[Sample | None]] = {}  # (solo, the worst co-batched; None: none ran)
-    plans = batches(batch_sizes, orderings)
+    plans, held = batches(batch_sizes, orderings), {"dtype": dtype, "size": size, "steps": steps, "path": path}
     render_path = RENDER_PATHS[path]
     locate = locate and path == "pipeline"  # module hooks see one request's rows only on the pipeline path
     for setting in kernels:  # each setting starts from stock kernels
@@ -295,16 +295,12 @@ def audit_model(
         )
         solo = render_path(renderer, [TARGET], params)[0]
         if is_video(solo.pixels):  # the VAE's decode schedules, on the target's own latents
-            run = _run_row(model, setting, "", [TARGET], 0, dtype=dtype, size=size, steps=steps, path=path)
-            runs.append({**run, **schedules_run(renderer.family, solo.final_latents, solo.pixels)})
-            log(
-                f"[diffusion audit] {model} kernels={setting} {runs[-1]['ordering']}: {runs[-1]['differing_elements']} differ"
-            )
+            runs.append(schedules_run(renderer.family, solo, _run_row(model, setting, "", [TARGET], 0, **held), log))
         worst: tuple[int, Sample | None] = (-1, None)
         for ordering, order, target in plans:
             sample = render_path(renderer, order, params)[target]
             counts = compare(solo, sample)
-            run = _run_row(model, setting, ordering, order, target, dtype=dtype, size=size, steps=steps, path=path)
+            run = _run_row(model, setting, ordering, order, target, **held)
             run.update(counts)
             # Locating costs two traced renders: do it for every failure with kernels on, and once
             # per model for the control (where every arrangement diverges at the same place).

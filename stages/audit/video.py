@@ -11,6 +11,7 @@ schedules  the target's final latents decoded frame by frame with the VAE's feat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,11 +48,14 @@ def first_then_rest(family: Any, latents: torch.Tensor) -> np.ndarray:
     return family.pipe.video_processor.postprocess_video(video, output_type="np")[0]
 
 
-def schedules_run(family: Any, final_latents: torch.Tensor, frame_by_frame: torch.Tensor) -> dict[str, Any]:
-    """The counts of the decode-schedule comparison, as a run: elements of the frames differing."""
-    other = torch.from_numpy(first_then_rest(family, final_latents))
+def schedules_run(family: Any, solo: Any, row: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """`row` with the counts of the decode-schedule comparison on the solo sample: elements of its frames differing."""
+    frame_by_frame = solo.pixels
+    other = torch.from_numpy(first_then_rest(family, solo.final_latents))
     differing = int((other != frame_by_frame).sum())
+    log(f"[diffusion audit] {row['model']} kernels={row['kernels']} decode schedules: {differing} differ")
     return {
+        **row,
         "ordering": "decode: first latent frame, then the rest",
         "batch_size": 1,
         "target_position": 0,

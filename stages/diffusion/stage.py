@@ -133,7 +133,7 @@ class DiffusionStage:
             )
         problem = self.problem()
         return StageDescription(
-            stage="diffusion",
+            stage="video" if self.config.serves_video else "diffusion",
             replica=self.replica,
             **self.provenance.model_dump(),  # model, switch, kernel backend, verified scope
             kernels=self.renderer.kernels.to_dict(),

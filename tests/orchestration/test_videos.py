@@ -163,3 +163,12 @@ def test_cli_video_shows_progress_and_writes_the_mp4_the_api_serves(server, http
     assert http.get(f"/v1/videos/{same['id']}/content").content == mp4
     assert main(["video", PROMPT, "--url", server, "--frames", "10", "--out", str(tmp_path)]) == 1
     assert "HTTP 400" in capsys.readouterr().err
+
+
+def test_health_reports_the_video_stage_with_its_switch_model_and_replicas(http):
+    video = http.get("/health").json()["stages"]["video"]
+    assert (video["state"], video["batch_invariant"], video["model"]) == ("running", True, "omniserve/tiny-wan-video")
+    assert video["kernels_installed"] is True and video["replicas"]["running"] == 1
+    assert video["describe"]["details"]["batching"]["mode"] == "step"
+    off = http.get("/off/health").json()["stages"]["video"]
+    assert off["batch_invariant"] is False and off["state"] == "running"
