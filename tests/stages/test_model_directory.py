@@ -78,6 +78,20 @@ def test_a_pipeline_this_stage_cannot_call_fails_at_start_up_before_its_weights_
         start(str(tmp_path))
 
 
+def test_the_video_stage_takes_video_pipelines_only_and_the_image_stage_image_ones(tmp_path):
+    from stages.diffusion.renderer import check_model_directory, check_serves
+    from stages.diffusion.video_stage import VideoStage
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(ModelDirectoryError, match="an image pipeline: the video stage serves videos"):
+        check_model_directory(str(tmp_path), video=True)
+    import diffusers
+
+    check_serves(diffusers.WanPipeline, "wan", video=True)  # a video pipeline, for the video stage: taken
+    with pytest.raises(ModelDirectoryError, match="an image pipeline: the video stage serves videos"):
+        VideoStage.func_or_class({"model": "omniserve/tiny-shapes-sd", "warm_up": False})  # embedded ones too
+
+
 def test_a_pipeline_without_a_family_serves_whole_requests_at_its_requested_size_and_prompt_invariantly():
     """PixArt-Sigma: no step-engine family, so whole-request batches through the pipeline itself. Its bytes are a
     function of the request: with the kernels on, a request's float image is the same alone and in a batch of four;
