@@ -175,6 +175,8 @@ class Ingress:
         report.ingress["retried_calls"] = (
             self.retrying.retried
         )  # stage calls sent again after an infrastructure failure
+        if self.videos is not None:  # the jobs: how many, rendering, their bytes, renders started again
+            report.ingress["video_jobs"] = await self.videos.jobs.stats.remote()
         # This replica's caches (each ingress replica keeps its own).
         report.ingress["rewrite_cache"] = self.pipeline.rewrites.stats
         report.ingress["result_cache"] = {"image": self.pipeline.kept.stats, "chat": self.completions.stats}

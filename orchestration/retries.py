@@ -58,9 +58,12 @@ class Retrying:
                 await self._again_or_raise(what, exc, attempt)
         raise AssertionError("unreachable")
 
-    async def stream(self, what: str, send: Callable[[], AsyncIterable[T]]) -> AsyncIterator[T]:
+    async def stream(
+        self, what: str, send: Callable[[], AsyncIterable[T]], *, restart: bool = False
+    ) -> AsyncIterator[T]:
         """A streamed call's items, sent again after an infrastructure failure only while none has come: once an
-        item is on its way to the client, a second attempt would repeat it."""
+        item is on its way to the client, a second attempt would repeat it. `restart`: sent again whatever has come,
+        its items then coming again from the first (a caller that keeps only the latest, as a video job's progress)."""
         for attempt in range(1, self.attempts + 1):
             started = False
             try:
@@ -69,7 +72,7 @@ class Retrying:
                     yield item
                 return
             except Exception as exc:
-                if started:
+                if started and not restart:
                     raise
                 await self._again_or_raise(what, exc, attempt)
 

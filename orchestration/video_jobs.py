@@ -142,7 +142,14 @@ class VideoJobs:
     def stats(self) -> dict[str, float]:
         self._expire()
         running = sum(job.expires is None for job in self.jobs.values())
-        return {"jobs": len(self.jobs), "running": running, "bytes": self.bytes, "max_jobs": self.config.max_jobs}
+        retried = self.pipeline.retrying.retried  # renders (and rewrites) started again after a replica was lost
+        return {
+            "jobs": len(self.jobs),
+            "running": running,
+            "bytes": self.bytes,
+            "max_jobs": self.config.max_jobs,
+            "retried": retried,
+        }
 
     async def _run(self, job: _Job, plan: VideoPlan, params: DiffusionSamplingParams) -> None:
         try:
@@ -150,9 +157,12 @@ class VideoJobs:
             prompt = rewrite.revised_prompt if rewrite else plan.prompt
             job.video = job.video.updated(status="in_progress", revised_prompt=prompt)
             render = RenderJob(prompt=prompt, params=params, origin=origin)
+            # A replica lost mid-render: the render starts again on another (the same bytes: a function of the request),
+            # its progress from the first step; nothing has reached the client but progress.
             async for item in self.pipeline.retrying.stream(
                 "a video",
                 lambda: cast(DeploymentResponseGenerator, self.video.options(stream=True).render.remote(render)),
+                restart=True,
             ):
                 if isinstance(item, RenderProgress):
                     job.video = job.video.updated(progress=min(RENDERED_PROGRESS, 100 * item.step // item.steps))

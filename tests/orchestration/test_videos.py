@@ -4,6 +4,8 @@ solo bytes (frames and MP4 file) with the control, bad requests as 4xx naming th
 """
 
 import hashlib
+import os
+import signal
 import json
 import time
 
@@ -172,3 +174,24 @@ def test_health_reports_the_video_stage_with_its_switch_model_and_replicas(http)
     assert video["describe"]["details"]["batching"]["mode"] == "step"
     off = http.get("/off/health").json()["stages"]["video"]
     assert off["batch_invariant"] is False and off["state"] == "running"
+
+
+# Last in the package: it kills the shared app's video replica (Serve starts another).
+def test_a_video_whose_replica_is_killed_mid_render_completes_on_a_new_one_with_the_same_bytes(http):
+    from tests.reliability.replicas import replica_pids
+
+    steps = 48  # several seconds of denoising: time to see it in progress and kill its replica
+    reference = _finished(http, _create(http, seed=21, num_inference_steps=steps)["id"])
+    job = _create(http, seed=21, num_inference_steps=steps)
+    (victim,) = replica_pids("main", "VideoStage")
+    deadline = time.monotonic() + TIMEOUT_S
+    while (polled := http.get(f"/v1/videos/{job['id']}").json())["progress"] < 10:
+        assert polled["status"] in ("queued", "in_progress") and time.monotonic() < deadline, polled
+        time.sleep(0.02)
+    assert polled["status"] == "in_progress" and polled["progress"] < 90, polled  # killed mid-render, not after
+    os.kill(victim, signal.SIGKILL)
+    done = _finished(http, job["id"])
+    assert done["status"] == "completed", done["error"]
+    assert (done["sha256"], done["frames_sha256"]) == (reference["sha256"], reference["frames_sha256"])
+    assert done["replica"] != reference["replica"] and victim not in replica_pids("main", "VideoStage")
+    assert http.get("/health").json()["ingress"]["video_jobs"]["retried"] >= 1
