@@ -598,7 +598,12 @@ def golden(args: argparse.Namespace) -> int:
     from stages.diffusion.golden import compare_or_record
 
     return compare_or_record(
-        _words(args.dtypes), record=args.record, table=args.table, log=_log, stages=_words(args.stages)
+        _words(args.dtypes),
+        record=args.record,
+        table=args.table,
+        log=_log,
+        stages=_words(args.stages),
+        llm_model=args.llm_model,
     )
 
 
@@ -615,6 +620,7 @@ def _golden_parser(commands) -> None:
     parser.add_argument("--stages", default="diffusion,llm", help="stages (default %(default)s)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="diffusion dtypes (default %(default)s)")
     parser.add_argument("--record", action="store_true", help="write (replace) this path's columns")
+    parser.add_argument("--llm-model", help="the LLM's model (default: the stage's default; e.g. embedded:tiny-llama)")
     parser.add_argument(
         "--table", type=Path, default=GOLDEN_TABLE, help="the table (default: docs/evidence/golden.json)"
     )

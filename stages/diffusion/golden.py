@@ -119,8 +119,8 @@ def diffusion_column(dtype: str):
     )
 
 
-def llm_column():
-    """The default LLM's column on this machine's path (invariance on, the stage's default config)."""
+def llm_column(model: str | None = None):
+    """An LLM's column on this machine's path (invariance on, the stage's default config; None: the default model)."""
     import asyncio
 
     from contracts.config import LLMStageConfig
@@ -129,7 +129,7 @@ def llm_column():
     from stages.scope import llm_configuration
 
     async def run():
-        engine = await LLMEngine(LLMStageConfig(batch_invariant=True)).start()
+        engine = await LLMEngine(LLMStageConfig(batch_invariant=True, model=model)).start()
         try:
             column = await llm_golden_column(engine, llm_configuration(engine))
         finally:
@@ -144,7 +144,9 @@ def llm_column():
     return asyncio.run(run())
 
 
-def compare_or_record(dtypes: list[str], *, record: bool, table, log, stages=("diffusion", "llm")) -> int:
+def compare_or_record(
+    dtypes: list[str], *, record: bool, table, log, stages=("diffusion", "llm"), llm_model: str | None = None
+) -> int:
     """Each column of this path against the table (0: all reproduced), or written into it."""
     from contracts.scope import compare_golden, load_golden, write_golden
 
@@ -152,7 +154,7 @@ def compare_or_record(dtypes: list[str], *, record: bool, table, log, stages=("d
     made: list[tuple[str, Callable[..., Any]]] = [
         (f"diffusion {dtype}", lambda dtype=dtype: diffusion_column(dtype)) for dtype in dtypes if "diffusion" in stages
     ]
-    made += [("llm", llm_column)] if "llm" in stages else []
+    made += [("llm", lambda: llm_column(llm_model))] if "llm" in stages else []
     for name, make in made:
         column = make()
         if record:
