@@ -186,6 +186,7 @@ class StubIngress:
     config = SimpleNamespace(ingress=SimpleNamespace(request_timeout_s=5))
     switch_headers = {"X-Omni-Batch-Invariant-LLM": "true", "X-Omni-Batch-Invariant-Diffusion": "true"}
     drain = Drain("stub")  # never told to drain: every request admitted
+    videos = None  # serves no videos: no video routes
     failure: BaseException | None = None
 
     async def images(self, request):
