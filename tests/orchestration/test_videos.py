@@ -124,6 +124,7 @@ def test_the_form_and_the_routes_refuse_what_they_do_not_serve(http):
         missing = http.get(path)
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "video_id"
     assert http.delete("/v1/videos/video_unknown").status_code == 404
+    assert http.get("/v1/videos").status_code == 405  # no list: a job's id is its only key
     done = _finished(http, _create(http)["id"])
     thumbnail = http.get(f"/v1/videos/{done['id']}/content", params={"variant": "thumbnail"})
     assert thumbnail.status_code == 400 and thumbnail.json()["error"]["param"] == "variant"
