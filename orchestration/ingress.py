@@ -172,9 +172,7 @@ class Ingress:
 
     async def health(self) -> HealthResponse:
         report = await self.probe.report()
-        report.ingress["retried_calls"] = (
-            self.retrying.retried
-        )  # stage calls sent again after an infrastructure failure
+        report.ingress["retried_calls"] = self.retrying.retried  # calls sent again after an infrastructure failure
         if self.videos is not None:  # the jobs: how many, rendering, their bytes, renders started again
             report.ingress["video_jobs"] = await self.videos.jobs.stats.remote()
         # This replica's caches (each ingress replica keeps its own).
