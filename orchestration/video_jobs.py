@@ -183,8 +183,8 @@ class VideoJobs:
             job.expires = time.monotonic() + self.config.ttl_s
 
     def _completed(self, job: _Job, made: RenderedVideo) -> None:
-        while self.bytes + len(made.mp4) > self.config.store_mib << 20 and self._oldest_finished() is not None:
-            self._drop(cast(str, self._oldest_finished()))
+        while self.bytes + len(made.mp4) > self.config.store_mib << 20 and (oldest := self._oldest_finished()):
+            self._drop(oldest)
         job.mp4, self.bytes = made.mp4, self.bytes + len(made.mp4)
         job.expires = time.monotonic() + self.config.ttl_s
         job.video = job.video.updated(
