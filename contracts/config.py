@@ -215,10 +215,12 @@ class IngressConfig(DeploymentConfig):
     health_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     # Bound on one HTTP request end to end (both stages, all images, retries included); past it: 504.
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    # A stage call that failed for an infrastructure reason (replica, actor, node or engine gone) is sent again,
-    # to another replica: this many attempts in all (1: never), `retry_backoff_s` x attempt apart.
-    retry_attempts: Annotated[int, Field(ge=1, le=10)] = 4
-    retry_backoff_s: Annotated[float, Field(ge=0)] = 0.5
+    # A stage call that failed for an infrastructure reason (replica, actor, node or engine gone) is sent again, to
+    # another replica, until `retry_window_s` after its first failure (0: never; always within request_timeout_s):
+    # sized so that Serve's detection of a dead replica fits inside it (its health check: 10 s period + 30 s timeout
+    # by default). The waits between start at `retry_backoff_s` and double, jittered (orchestration/retries.py).
+    retry_window_s: Annotated[float, Field(ge=0)] = 60.0
+    retry_backoff_s: Annotated[float, Field(ge=0)] = 0.25
     # Prompt rewrites kept by each ingress replica, least recently used dropped first (0: none). None: DEFAULT_
     # REWRITE_CACHE_ENTRIES when the LLM stage is batch-invariant (a rewrite is then a pure function of the prompt
     # and its seeded params, so a kept one is exact), else 0 (a rewrite then depends on its batch).

@@ -259,20 +259,30 @@ async def read_edit(request: Request) -> ImageEditRequest:
 
 async def edit_images(ingress: Ingress, request: Request, timeout_s: float) -> JSONResponse | StreamingResponse:
     """OpenAI's image edits (image-to-image): the generation path, from the image of a multipart form."""
-    return await images_or_events(ingress, await read_edit(request), timeout_s, str(request.base_url))
+    return await images_or_events(ingress, await read_edit(request), timeout_s, request)
+
+
+def no_cache(request: Request) -> bool:
+    """Whether the client asks for a result made anew, not one kept (RFC 9111: `Cache-Control: no-cache`, or, without
+    a Cache-Control, HTTP/1.0's `Pragma: no-cache`), as it would of any HTTP cache on the way."""
+    asked = request.headers.get("cache-control")
+    if asked is None:
+        asked = request.headers.get("pragma", "")
+    return "no-cache" in (directive.strip().split("=")[0].lower() for directive in asked.split(","))
 
 
 async def images_or_events(
-    ingress: Ingress, request: ImageGenerationRequest, timeout_s: float, base_url: str
+    ingress: Ingress, request: ImageGenerationRequest, timeout_s: float, http: Request
 ) -> JSONResponse | StreamingResponse:
-    """The response writer of every image route: the images whole (inline, or as links under `base_url` to the image
-    store), or (`stream: true`) as server-sent events, from one admitted plan and its items (`Ingress.images`)."""
-    plan, items = await ingress.images(request)
+    """The response writer of every image route: the images whole (inline, or as links to the image store), or
+    (`stream: true`) as server-sent events, from one admitted plan and its items (`Ingress.images`)."""
+    plan, items = await ingress.images(request, fresh=no_cache(http))
     if not request.stream:
         done = await results(plan, items)
         links = None
         if request.response_format == "url":
-            links = [f"{base_url}v1/images/{i}" for i in await ingress.links.keep([r.delivered for r in done])]
+            kept = await ingress.links.keep([r.delivered for r in done])
+            links = [f"{http.base_url}v1/images/{i}" for i in kept]
         whole = images_response(plan, done, ingress.config.switches, links)
         return JSONResponse(jsonable_encoder(whole), headers=http_caching(done))
     kind = STREAM_EVENT_KINDS["edit" if isinstance(request, ImageEditRequest) else "generation"]
@@ -455,7 +465,7 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @api.post("/v1/images/generations", response_model=ImagesResponse, responses={**ERRORS, **STREAMED})
     async def images_generations(body: ImageGenerationRequest, request: Request):
-        return await respond(images_or_events(ingress, body, timeout_s, str(request.base_url)))
+        return await respond(images_or_events(ingress, body, timeout_s, request))
 
     # "img_" in the path, so the POST routes' paths (/v1/images/generations) stay theirs: a GET there is a 405.
     @api.get("/v1/images/img_{token}", responses={**ERRORS, **IMAGE_FILE})
@@ -469,8 +479,10 @@ def build_api(ingress: Ingress) -> FastAPI:
         return await respond(edit_images(ingress, request, timeout_s))
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **CHAT_STREAMED})
-    async def chat_completions(body: ChatCompletionRequest):
-        return await respond(ingress.chat(body) if not body.stream else chat_events(ingress, body, timeout_s))
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        if body.stream:  # a stream is never from the result cache
+            return await respond(chat_events(ingress, body, timeout_s))
+        return await respond(ingress.chat(body, fresh=no_cache(request)))
 
     @api.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import Any, cast
 
 from ray import serve
@@ -51,6 +52,9 @@ from .result_cache import ResultCache, chat_key, exact
 from .retries import Retrying
 from .video_jobs import VideoFront
 
+#: An image request's items as they come: (image index, PartialImage or ImageResult).
+ImageItems = AsyncIterator[tuple[int, Any]]
+
 
 @serve.deployment
 @serve.ingress()
@@ -73,7 +77,7 @@ class Ingress:
         self.started = int(time.time())
         self.links = ImageLinks(files, config.ingress.image_url_ttl_s)
         self.handles: dict[Stage, DeploymentHandle] = {"llm": llm, "diffusion": diffusion}
-        self.retrying = Retrying(config.ingress.retry_attempts, config.ingress.retry_backoff_s)
+        self.retrying = Retrying(config.ingress.retry_window_s, config.ingress.retry_backoff_s)
         self.pipeline = ImagePipeline(
             llm,
             diffusion,
@@ -94,11 +98,11 @@ class Ingress:
 
         return build_api(self)
 
-    async def images(self, request: ImageGenerationRequest) -> tuple[ImagePlan, AsyncIterator[tuple[int, Any]]]:
+    async def images(self, request: ImageGenerationRequest, *, fresh: bool = False) -> tuple[ImagePlan, ImageItems]:
         """Generations, edits (an ImageEditRequest) and streams alike: the admitted plan (a bad request raises here,
-        before anything is sent) and its items as they come, each image's previews (streamed requests only) then
-        its ImageResult. The response writer (`orchestration.api`) sends them whole or as events."""
-        plan = await self.plan(request)
+        before anything is sent) and its items as they come, each image's previews (streamed requests only) then its
+        ImageResult (`fresh`: rendered, kept or not). The response writer (`orchestration.api`) sends them."""
+        plan = replace(await self.plan(request), fresh=fresh)
         return plan, self.pipeline.items(plan)
 
     async def plan(self, request: ImageGenerationRequest) -> ImagePlan:
@@ -111,12 +115,12 @@ class Ingress:
             else admit_images(request, self.config)
         )
 
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+    async def chat(self, request: ChatCompletionRequest, *, fresh: bool = False) -> ChatCompletionResponse:
         if request.model is not None:
             await self.check_model("llm", request.model)
         params = admit_chat(request, self.config)
         key = chat_key(request.messages, params)
-        kept, cache = self.completions.get(key), "hit"
+        kept, cache = self.completions.get(key, fresh=fresh), "hit"
         if kept is None:
             made: Completion = await self.retrying.call(
                 "a chat completion", lambda: self.handles["llm"].chat.remote(request.messages, params)

@@ -57,6 +57,7 @@ class ImagePlan:
     image: bytes | None = None  # an edit's image (None: a generation)
     partial_images: int = 0  # previews per image before it (a streamed request's; 0: the image alone)
     output: ImageOutput = ImageOutput()  # the file each image is delivered as (`contracts.encoding`)
+    fresh: bool = False  # rendered whatever the result cache keeps (`Cache-Control: no-cache`), and kept anew
 
     @property
     def images(self) -> list[tuple[LLMSamplingParams | None, DiffusionSamplingParams]]:
@@ -207,7 +208,7 @@ class ImagePipeline:
         """One image: its rewrite, then its RenderJob's previews from the diffusion stage, then its ImageResult; or, kept
         by the result cache from an earlier request, its ImageResult at once."""
         key = image_key(plan.prompt, llm_params, params, plan.image)
-        if kept := self.kept.get(key):
+        if kept := self.kept.get(key, fresh=plan.fresh):
             yield await delivered(replace(kept, cache="hit"), plan.output)
             return
         cache = "miss" if self.kept.max_bytes else None

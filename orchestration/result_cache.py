@@ -87,10 +87,12 @@ class ResultCache(Generic[V]):
         self.bytes = 0
         self.hits = self.misses = self.refused = 0
 
-    def get(self, key: str) -> V | None:
+    def get(self, key: str, *, fresh: bool = False) -> V | None:
+        """The kept result for `key`, if any; `fresh` (a request's `Cache-Control: no-cache`): none, a miss, so that
+        the result is made again (and its `put` refreshes the entry)."""
         if not self.max_bytes:
             return None
-        kept = self._entries.get(key)
+        kept = None if fresh else self._entries.get(key)
         if kept is None or kept.identity != self._identity:
             self.misses += 1
             record("omniserve_result_cache_total", kind=self.kind, result="miss")

@@ -83,7 +83,7 @@ class VideoJobs:
     def __init__(self, llm: DeploymentHandle, video: DeploymentHandle, config: AppConfig):
         assert config.video is not None  # bound only where the app serves videos
         self.config, self.video = config.video, video
-        retrying = Retrying(config.ingress.retry_attempts, config.ingress.retry_backoff_s)
+        retrying = Retrying(config.ingress.retry_window_s, config.ingress.retry_backoff_s)
         self.pipeline = ImagePipeline(llm, video, retrying, RewriteCache(config.rewrite_cache_entries))
         self.jobs: OrderedDict[str, _Job] = OrderedDict()  # oldest first
         self.bytes = 0

@@ -136,6 +136,45 @@ def test_a_repeated_request_is_answered_from_the_cache_with_identical_bytes_and_
     assert "immutable" in again.headers["Cache-Control"]
 
 
+def forwards(http) -> int:
+    """The denoiser forwards the cached app's one diffusion replica has run: they move only when it renders."""
+    stage = http.get("/cached/health").json()["stages"]["diffusion"]
+    return stage["describe"]["details"]["batching"]["forwards"]
+
+
+@pytest.mark.slow
+def test_cache_control_no_cache_renders_again_says_miss_and_gives_the_kept_bytes(cache_http):
+    if gap := record_gap("diffusion"):
+        pytest.skip(f"only verified images are kept, and {gap}")
+    kept, _ = post(cache_http, "/cached")
+    stats = cache_http.get("/cached/health").json()["ingress"]["result_cache"]["image"]
+    before = forwards(cache_http)
+    for header in ({"Cache-Control": "no-cache"}, {"Cache-Control": "max-age=0, No-Cache"}, {"Pragma": "no-cache"}):
+        fresh = cache_http.post("/cached/v1/images/generations", json=BODY, headers=header)
+        assert fresh.status_code == 200, fresh.text
+        (a,), (b,) = kept.json()["data"], fresh.json()["data"]
+        assert b["cache"] == "miss", header
+        assert (b["sha256"], b["b64_json"]) == (a["sha256"], a["b64_json"])
+        assert forwards(cache_http) >= before + 16, header  # rendered: 16 steps' forwards, not an answer kept
+        before = forwards(cache_http)
+    after = cache_http.get("/cached/health").json()["ingress"]["result_cache"]["image"]
+    assert after["hits"] == stats["hits"] and after["misses"] == stats["misses"] + 3
+    # Without the header the same request is a hit again: the entry was refreshed, not dropped.
+    again, _ = post(cache_http, "/cached")
+    assert again.json()["data"][0]["cache"] == "hit" and forwards(cache_http) == before
+
+
+@pytest.mark.slow
+def test_a_chat_completion_asked_with_no_cache_is_made_again_with_the_same_tokens(cache_http):
+    if gap := record_gap("llm"):
+        pytest.skip(f"only verified completions are kept, and {gap}")
+    body = {"messages": [{"role": "user", "content": "a cat"}], "max_tokens": 8, "seed": 9, "temperature": 0.8}
+    first = cache_http.post("/cached/v1/chat/completions", json=body).json()
+    fresh = cache_http.post("/cached/v1/chat/completions", json=body, headers={"Cache-Control": "no-cache"}).json()
+    assert (first["cache"], fresh["cache"]) == ("miss", "miss")
+    assert fresh["token_ids"] == first["token_ids"] and fresh["choices"] == first["choices"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("change", [{"seed": 4}, {"prompt": "a yellow star on a black background, left"},
                                     {"num_inference_steps": 15}, {"guidance_scale": 6.0}, {"size": "128x128"},

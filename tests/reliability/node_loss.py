@@ -36,8 +36,7 @@ APP = {
                   "ray_actor_options": {"num_cpus": 0.5}, "defaults": {"num_inference_steps": 6},
                   "health_check_period_s": 1, "health_check_timeout_s": 10},
     # The ingress stays on the head node (beside Serve's one HTTP proxy): this scenario loses a diffusion node.
-    "ingress": {"ray_actor_options": {"num_cpus": 0.1, "resources": {"head": 0.01}}, "request_timeout_s": 90,
-                "retry_attempts": 6},
+    "ingress": {"ray_actor_options": {"num_cpus": 0.1, "resources": {"head": 0.01}}, "request_timeout_s": 90},
 }
 # The documented run's load (docs/reliability.md); the test sends fewer (`--requests`): the node still goes with
 # calls in flight (12 answered, the rest pending), at a third of the suite's time.
