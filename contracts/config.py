@@ -86,7 +86,7 @@ class StageConfig(DeploymentConfig):
 class LLMStageConfig(StageConfig):
     max_model_len: Annotated[int, Field(ge=16)] = 1024
     # The engine's batch: sequences per scheduling step. 8, the batch sizes the LLM audit covers: 16 measured no
-    # faster in the default app once rewrites were short (docs/performance.md, balancing the pipeline).
+    # faster in the default app once rewrites were short (docs/performance/stages-and-app.md, balancing the pipeline).
     max_num_seqs: Annotated[int, Field(ge=1)] = 8
     kv_cache_gib: Annotated[float, Field(gt=0)] | None = None  # None (and no utilization): 0.25 GiB
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None

@@ -205,7 +205,7 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
 #: to its COMPATIBLE code on every path: held to a level (MKL_CBWR=AVX2) it still picks its kernels by CPU model
 #: (measured: an AMD EPYC and an Intel Xeon, both at AVX2, computed different float32 images, through the
 #: attention's and bmm's MKL GEMMs), while COMPATIBLE computes alike on every x86-64 CPU (measured: the generic
-#: path, held so, gave both machines the same images). Cost: docs/performance.md.
+#: path, held so, gave both machines the same images). Cost: docs/performance/cpu-paths.md.
 _ISA_LIMITS = {
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_CBWR": "COMPATIBLE"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE"},

@@ -684,7 +684,7 @@ class BodyRule:
             )
 
 
-#: Each POST route's body, in one place (README's "HTTP API" section lists them).
+#: Each POST route's body, in one place (docs/api.md lists them).
 BODY_RULES = {
     "/v1/images/generations": BodyRule("application/json", MAX_GENERATION_BODY_BYTES),
     "/v1/chat/completions": BodyRule("application/json", MAX_JSON_BODY_BYTES),

@@ -1,6 +1,6 @@
 """`build_app(config)`: the Serve application, read like the data path in DESIGN.md.
 
-    client -> Ingress -> LLMStage.enhance (seed s_i) -> DiffusionStage.generate (seed s_i) -> client
+    client -> Ingress -> LLMStage.enhance (seed s_i) -> DiffusionStage.render (seed s_i) -> client
                      -> ImageStore (the files `response_format: "url"` links to)
                      -> VideoJobs -> LLMStage.enhance (seed) -> VideoStage.render (seed)   (`video` configured)
 

@@ -47,7 +47,8 @@ RENDERED_PROGRESS = 99
 
 @dataclass(frozen=True)
 class VideoPlan:
-    """An admitted video request (`Ingress.create_video`): the prompt, its rewrite's params (None: not rewritten)."""
+    """An admitted video request (`admit_video`, called by `VideoFront.create`): the prompt, its rewrite's params
+    (None: not rewritten)."""
 
     prompt: str
     params: DiffusionSamplingParams

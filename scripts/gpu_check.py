@@ -15,7 +15,7 @@ Dry run on CPU, every code path at tiny sizes (under a minute; its figures are n
    time(off) / time(on) paired per repeat, min/median/max.
 3. diffusion: the stage's renderer with the embedded models at 64x64 and 256x256, fp32 and bf16: an image's
    bits alone vs co-batched (both render paths), and images/s off vs on at batch 1, 4, 8.
-4. checks: PASS/FAIL lines, also in the JSON (thresholds below, why in the notes of docs/performance.md).
+4. checks: PASS/FAIL lines, also in the JSON (thresholds below, why in the notes of docs/performance/gpu-check.md).
 
 Why two worker processes instead of switching kernels in one (as the CPU benches do): on CUDA, vLLM's
 `init_batch_invariance()` also changes process-wide state that disabling does not undo (cuBLAS workspace

@@ -1,4 +1,4 @@
-"""Draw the picture grid of the README: what the embedded default image model draws for a few prompts.
+"""Draw the picture grid of docs/models.md: what the embedded default image model draws for a few prompts.
 
     .venv/bin/python scripts/shapes_grid.py             # writes docs/images/embedded-default-grid.png
 

@@ -136,7 +136,7 @@ class TinyLlamaSpec:
 # vLLM's CPU attention takes head_dim 32/64/...; 64 is the smallest common one (16 is refused).
 #: The embedded default: small enough to start in seconds, wide enough (down projection K = 1408)
 #: that oneDNN computes a solo decode row differently from a co-batched one, so the audit's
-#: control varies (docs/invariance.md, the LLM evidence table).
+#: control varies (docs/invariance/llm.md, the LLM evidence table).
 TINY = TinyLlamaSpec(
     name="tiny-llama",
     hidden_size=512,

@@ -27,7 +27,7 @@ What it changes, and why:
   request's KV range into pieces sized from the whole step's workload, which changes the
   reduction order with the batch; it is turned off.
 The engine arguments invariance needs (eager execution; whole prefills, which CPU engines
-need anyway) are set by `stages.llm.settings`. Evidence for each: the ablations in docs/invariance.md.
+need anyway) are set by `stages.llm.settings`. Evidence for each: the ablations in docs/invariance/llm.md.
 """
 
 from __future__ import annotations

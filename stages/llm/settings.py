@@ -15,7 +15,7 @@ EMBEDDED = "embedded"
 #: The KV cache reservation when the config gives neither kv_cache_gib nor gpu_memory_utilization.
 DEFAULT_KV_CACHE_GIB = 0.25
 
-#: Engine arguments that CPU batch invariance fixes, with the reason (measured: the ablations in docs/invariance.md).
+#: Engine arguments that CPU batch invariance fixes, with the reason (measured: the ablations in docs/invariance/llm.md).
 #: Prefix caching stays on: cache hits measured bit-identical. On CUDA, vLLM's own mode handles compilation.
 INVARIANT_CPU_ENGINE_ARGS: dict[str, tuple[Any, str]] = {
     "enforce_eager": (True, "vLLM's compiled CPU graph changes the target's logprobs under co-batching, kernels on"),

@@ -1,4 +1,4 @@
-"""The README's cluster path, end to end, as a user types it after `make test` has run on the machine.
+"""The cluster path of docs/operations.md, end to end, as a user types it after `make test` has run on the machine.
 
     export RAY_AUTH_MODE=token
     ray get-auth-token --generate >/dev/null
@@ -8,7 +8,7 @@
 
 Any local `ray.init()` (the suite's, `make serve`'s) writes `~/.ray/auth_token`, and `ray start --head` then turns
 Ray's token authentication on; the `serve` CLI sends the token only when `RAY_AUTH_MODE=token` is in its own
-environment, hence the README's `export` (README, Security). This runs those commands with only what a test beside
+environment, hence the `export` there (docs/security.md). This runs those commands with only what a test beside
 the suite's own Ray instance needs added: every port free and on the loopback (Ray's single-machine mode), a temp dir
 of its own, the dashboard address passed to `serve`, and the example YAML on a free HTTP port with the LLM scaled to
 zero and one diffusion replica (the request below does not rewrite its prompt). `ray stop` would stop every Ray on
@@ -34,7 +34,7 @@ import yaml
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent  # the venv's `ray` and `serve`, as on the README user's PATH
+BIN = Path(sys.executable).parent  # the venv's `ray` and `serve`, as on the docs' user's PATH
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"
 RUNNING_TIMEOUT_S = 300
 #: Every port `ray start --head` would otherwise take at a fixed default (6379, 8265, 10001, 52365, ...) or by chance
@@ -61,10 +61,10 @@ def free_ports(count: int) -> list[int]:
 
 
 def readme_env() -> dict[str, str]:
-    """This process's environment as a fresh shell's, then the README's `export RAY_AUTH_MODE=token`.
+    """This process's environment as a fresh shell's, then docs/operations.md's `export RAY_AUTH_MODE=token`.
 
     The suite's own `ray.init()` set RAY_AUTH_MODE=token in this process (Ray does, for a new local instance): it is
-    dropped, so that the test shows what the README's export does, not what the suite left behind."""
+    dropped, so that the test shows what that export does, not what the suite left behind."""
     env = {name: value for name, value in os.environ.items() if name not in NOT_INHERITED}
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every address Ray binds is the loopback
     return {**env, "RAY_AUTH_MODE": "token"}
@@ -192,7 +192,7 @@ def test_the_readme_cluster_path_deploys_serves_and_shuts_down(head, tmp_path):
     http_port = free_ports(1)[0]
     config = deploy_config(tmp_path / "omni_app.yaml", http_port)
 
-    # Without the README's export: Ray's token authentication is on, and the serve CLI does not send the token.
+    # Without docs/operations.md's export: Ray's token authentication is on, and the serve CLI does not send the token.
     no_export = {name: value for name, value in env.items() if name != "RAY_AUTH_MODE"}
     refused = run([BIN / "serve", "status", "-a", address], no_export)
     assert refused.returncode != 0 and "Missing authentication token" in refused.stdout + refused.stderr

@@ -41,7 +41,7 @@ from orchestration.errors import http_error
 def from_replica(exc: Exception) -> Exception:
     """What a caller sees when a replica raised `exc`: Ray's wrapper, a subclass of the original type."""
     exc = pickle.loads(pickle.dumps(exc))
-    return RayTaskError("DiffusionStage.generate", "Traceback: ...", exc).as_instanceof_cause()
+    return RayTaskError("DiffusionStage.render", "Traceback: ...", exc).as_instanceof_cause()
 
 
 def validation_error() -> ValidationError:
