@@ -220,7 +220,9 @@ class ImagePipeline:
         what = "a render" if plan.image is None else "an edit"
         # A handle with stream=True answers with a DeploymentResponseGenerator.
         async for item in self.retrying.stream(
-            what, lambda: cast(DeploymentResponseGenerator, self.diffusion.options(stream=True).render.remote(job))
+            what,
+            lambda: cast(DeploymentResponseGenerator, self.diffusion.options(stream=True).render.remote(job)),
+            last=lambda item: isinstance(item, RenderedImage),
         ):
             if isinstance(item, PartialImage):
                 yield item

@@ -74,11 +74,18 @@ class Retrying:
                 await failures.again_or_raise(exc)
 
     async def stream(
-        self, what: str, send: Callable[[], AsyncIterable[T]], *, restart: bool = False
+        self,
+        what: str,
+        send: Callable[[], AsyncIterable[T]],
+        *,
+        restart: bool = False,
+        last: Callable[[T], bool] = lambda _: False,
     ) -> AsyncIterator[T]:
         """A streamed call's items, sent again after an infrastructure failure only while none has come: once an
         item is on its way to the client, a second attempt would repeat it. `restart`: sent again whatever has come,
-        its items then coming again from the first (a caller that keeps only the latest, as a video job's progress)."""
+        its items then coming again from the first (a caller that keeps only the latest, as a video job's progress).
+        `last(item)`: the stream's final item, after which its end is not awaited (a replica killed between its last
+        item and its end of stream failed a call whose answer had come: a 503, seen in the replica-loss loop)."""
         failures = _Failures(self, what)
         while True:
             started = False
@@ -86,6 +93,8 @@ class Retrying:
                 async for item in send():
                     started = True
                     yield item
+                    if last(item):
+                        return
                 return
             except Exception as exc:
                 if started and not restart:

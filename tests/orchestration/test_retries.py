@@ -96,3 +96,16 @@ def test_a_stream_is_sent_again_only_while_nothing_has_come_unless_it_restarts(c
         asyncio.run(collect(restart=False))  # a preview went out: a second attempt would repeat it
     calls.clear()
     assert asyncio.run(collect(restart=True)) == ["preview"] * 3 + ["image"]
+
+
+def test_a_stream_whose_last_item_came_is_answered_even_if_its_replica_dies_before_its_end(clock):
+    # The replica-loss loop's one 503: the image had come, then the end of its stream failed with the replica.
+    async def items():
+        yield "image"
+        raise ReplicaUnavailableError("its replica died after its last item")
+
+    async def collect() -> list[str]:
+        stream = Retrying(60, 0.25).stream("a render", items, last=lambda item: item == "image")
+        return [item async for item in stream]
+
+    assert asyncio.run(collect()) == ["image"]

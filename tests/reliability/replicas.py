@@ -6,6 +6,10 @@ replica answers late. The table in Ray's control store lists every live replica 
 state API reads it through the dashboard, which the tests' instances do not start, so this reads it directly.)
 """
 
+import os
+import signal
+import time
+
 from ray._private import state
 
 
@@ -14,3 +18,26 @@ def replica_pids(app_name: str, deployment: str) -> set[int]:
     class_name = f"ServeReplica:{app_name}:{deployment}"  # ray.serve._private.common.DeploymentID
     alive = state.actors(actor_state_name="ALIVE").values()
     return {actor["Pid"] for actor in alive if actor["ActorClassName"] == class_name}
+
+
+def runs() -> int:
+    """How many times a fault test repeats its fault on one app: OMNISERVE_FAULT_RUNS (default 1; docs/reliability.md's
+    loops set 20), each run on a fresh victim once the last one was replaced."""
+    return int(os.environ.get("OMNISERVE_FAULT_RUNS", "1"))
+
+
+def kill_when_busy(app_name: str, deployment: str, victim: int, timeout_s: float = 30) -> float:
+    """SIGKILL `victim` once it reports calls in flight (a bounded wait: killed idle, no call would need a retry);
+    the monotonic time of the kill. Asks through a handle, whose router picks the replica: asked until `victim`
+    answers busy."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app_name=app_name)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        details = handle.describe.remote().result(timeout_s=60).details
+        in_flight = details["in_flight"] if "in_flight" in details else details["batching"]["in_flight"]  # LLM, diffusion
+        if details["pid"] == victim and in_flight > 0:
+            break
+    os.kill(victim, signal.SIGKILL)
+    return time.monotonic()

@@ -92,20 +92,6 @@ def replica_pids() -> set[int]:
     return replicas.replica_pids(NAME, "LLMStage")
 
 
-def kill_when_busy(victim: int, killed_at: list[float], timeout_s: float = 30) -> None:
-    """SIGKILL `victim` once it reports calls in flight (bounded wait): killed idle, no call would need a retry."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("LLMStage", app_name=NAME)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        details = handle.describe.remote().result(timeout_s=60).details
-        if details["pid"] == victim and details["in_flight"] > 0:
-            break
-    os.kill(victim, signal.SIGKILL)
-    killed_at.append(time.monotonic())
-
-
 def engine_core(replica_pid: int, timeout_s: float = 60) -> psutil.Process:
     """vLLM's engine core: the replica's child process titled VLLM::EngineCore. Its title can lag its start on a
     loaded box (seen under a parallel suite: a healthy replica whose core still read `spawn_main`), so wait for it,
@@ -151,25 +137,30 @@ def reference(app) -> list[tuple]:
 
 
 def test_killing_one_of_two_llm_replicas_under_load_loses_no_request_and_changes_no_byte(app, reference):
-    pids = replica_pids()
-    assert len(pids) == 2, pids
-    victim, survivor = sorted(pids)
-    children = psutil.Process(victim).children(recursive=True)
-    killed_at = []
-    under_fault = asyncio.run(load(app, fault=lambda: kill_when_busy(victim, killed_at)))
-    failed = [(i, r.status_code, r.text[:200]) for i, r in enumerate(under_fault) if r.status_code != 200]
-    assert not failed, failed
-    assert [fingerprint(r) for r in under_fault] == reference
-    assert health(app)[1]["ingress"]["retried_calls"] > 0, "no call was retried: the replica died after the load"
-    load_done = time.monotonic() - killed_at[0]
-    wait_until("two LLM replicas again", lambda: healthy_with_two_llm_replicas(app, avoid=victim), 180)
-    assert survivor in replica_pids()  # the replica was replaced; the app was not restarted
-    left = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    for pid in left:  # what the killed replica started and left behind: reported, then stopped by pid
-        os.kill(pid, signal.SIGKILL)
-    print(f"\nLLM replica {victim} SIGKILLed under load: {REQUESTS} of {REQUESTS} requests 200 and identical; load done "
-          f"{load_done:.1f} s after the kill; healthy with two replicas {time.monotonic() - killed_at[0]:.1f} s after "
-          f"the kill; its child processes left behind: {left}")
+    for run in range(1, replicas.runs() + 1):  # each run kills a replica; the next waits for its replacement
+        wait_until("two LLM replicas", lambda: healthy_with_two_llm_replicas(app), 180)
+        pids = replica_pids()
+        assert len(pids) == 2, pids
+        victim, survivor = sorted(pids)
+        children = psutil.Process(victim).children(recursive=True)
+        retried_before, killed_at = health(app)[1]["ingress"]["retried_calls"], []
+        under_fault = asyncio.run(
+            load(app, fault=lambda: killed_at.append(replicas.kill_when_busy(NAME, "LLMStage", victim)))  # noqa: B023
+        )
+        failed = [(i, r.status_code, r.text[:200]) for i, r in enumerate(under_fault) if r.status_code != 200]
+        assert not failed, (run, failed)
+        assert [fingerprint(r) for r in under_fault] == reference, run
+        retried = health(app)[1]["ingress"]["retried_calls"] - retried_before
+        assert retried > 0, f"run {run}: no call was retried: the replica died after the load"
+        load_done = time.monotonic() - killed_at[0]
+        wait_until("two LLM replicas again", lambda: healthy_with_two_llm_replicas(app, avoid=victim), 180)  # noqa: B023
+        assert survivor in replica_pids()  # the replica was replaced; the app was not restarted
+        left = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for pid in left:  # what the killed replica started and left behind: reported, then stopped by pid
+            os.kill(pid, signal.SIGKILL)
+        print(f"\nrun {run}: LLM replica {victim} SIGKILLed under load: {REQUESTS} of {REQUESTS} requests 200 and "
+              f"identical, {retried} calls retried; load done {load_done:.1f} s after the kill; healthy with two "
+              f"replicas {time.monotonic() - killed_at[0]:.1f} s after the kill; its child processes left: {left}")
 
 
 def test_engine_core_death_inside_an_llm_replica_is_reported_retried_and_repaired(app, reference):

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import torch
 
+from .checkpoint import export_state, resume
 from .families import Family
 from .sample import Sample
 
@@ -131,6 +132,7 @@ class StepEngine:
             self.family.condition(joining)  # their adapters, then `encode`
             for sample in joining:
                 self.family.prepare(sample)
+                resume(sample)  # a sample moved from another replica goes on from the step it had reached
         except Exception as exc:
             self._fail(joining, exc)
             return
@@ -166,6 +168,7 @@ class StepEngine:
             sample.steps_co_batched += len(computed) > 1
         for sample in batch:
             sample.stepped()
+            _checkpoint(sample)
         self._partials([s for s in batch if s.on_partial and s.step in s.partial_steps and not s.cancelled])
         finished = [s for s in batch if s.finished]
         if finished:
@@ -211,6 +214,18 @@ def _kept(results: dict[int, Any], done: threading.Semaphore, index: int, result
     """`StepEngine.render`'s callback for its sample `index`: keep the result, then wake the caller."""
     results[index] = result
     done.release()
+
+
+def _checkpoint(sample: Sample) -> None:
+    """Hand the sample's state to its caller every `checkpoint_every` steps but the last; a failure costs the
+    checkpoint, never the engine or the render."""
+    every = sample.checkpoint_every
+    if sample.on_checkpoint is None or not every or sample.step % every or sample.finished or sample.cancelled:
+        return
+    try:
+        sample.on_checkpoint(sample.step, export_state(sample))
+    except Exception:
+        logger.exception("a step-boundary checkpoint failed")
 
 
 def _show(sample: Sample, image: Any) -> None:

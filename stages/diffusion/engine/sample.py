@@ -34,6 +34,11 @@ class Sample:
     on_partial: Callable[[int, Any], None] | None = None  # (partial index, float image) at `partial_steps`
     partial_steps: tuple[int, ...] = ()
     on_step: Callable[[int], None] | None = None  # (steps done) after each of its denoising steps: progress
+    # Step-boundary checkpoints (stages.diffusion.engine.checkpoint): (steps done, state) after every
+    # `checkpoint_every` steps but the last; `resume`: a state it starts from instead of its first step.
+    on_checkpoint: Callable[[int, bytes], None] | None = None
+    checkpoint_every: int = 0
+    resume: bytes | None = None
     # Image edits: the init image, preprocessed by the pipeline's image processor, (1, 3, H, W); None: text-to-image.
     image: Any = None
     arrival: int = 0

@@ -1,0 +1,122 @@
+"""Step-boundary checkpoints (stages.diffusion.engine.checkpoint): a sample exported at step k and resumed on another
+engine, co-batched with unlike neighbours, ends with exactly the bytes of its uninterrupted render.
+
+Real tiny pipelines, the kernels on, the engine's own thread; "another replica" is a second renderer and engine built
+from the same model. The control resumes from the latents and step alone (what a checkpoint of the latents would
+give): the scheduler's past predictions (DPM-Solver++ 2M) and the generator's state (Euler ancestral's noise) are then
+made again from the request, and the image differs, so the test can fail.
+"""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from contracts.config import DiffusionStageConfig
+from contracts.sampling import DiffusionSamplingParams, StepCache
+from stages.diffusion import DiffusionRenderer
+from stages.diffusion.engine import Sample, StepEngine
+from stages.kernels import disable_batch_invariant_kernels
+from tests.stages.conftest import DIT, UNET
+
+pytestmark = pytest.mark.slow
+STEPS, EVERY = 8, 3
+PROMPT = "a red fox in the snow"
+
+
+def replica(model: str) -> StepEngine:
+    renderer = DiffusionRenderer(DiffusionStageConfig(model=model, batch_invariant=True, torch_threads=1))
+    engine = StepEngine(renderer.family, max_batch_size=8, torch_threads=1)
+    engine.renderer = renderer
+    return engine
+
+
+@pytest.fixture(scope="module")
+def replicas(request):
+    disable_batch_invariant_kernels()
+    made = {model: (replica(model), replica(model)) for model in (UNET, DIT)}
+    yield made
+    for pair in made.values():
+        for engine in pair:
+            engine.stop()
+    disable_batch_invariant_kernels()
+
+
+def sample(engine: StepEngine, seed: int = 42, prompt: str = PROMPT, **fields) -> Sample:
+    fields.setdefault("num_inference_steps", STEPS)
+    params = engine.renderer.resolve(DiffusionSamplingParams(seed=seed, **fields), step_engine=True)
+    return Sample(prompt, params, on_done=None)
+
+
+def neighbours(engine: StepEngine) -> list[Sample]:
+    """Unlike the resumed sample: other prompts, seeds, steps, guidance."""
+    variants = [{"num_inference_steps": 5}, {"guidance_scale": 1.0, "num_inference_steps": 6}, {"guidance_scale": 9.0}]
+    return [sample(engine, 100 + i, f"neighbour {i}, a lighthouse at dusk", **v) for i, v in enumerate(variants)]
+
+
+def latents_only(state: bytes, fresh: Sample) -> bytes:
+    """The control's checkpoint: its latents and step kept, scheduler and generator as a new sample of the request has
+    them, moved to the step only."""
+    loaded = torch.load(io.BytesIO(state), weights_only=False)
+    loaded["scheduler"] = {"_step_index": loaded["step"]}
+    loaded["generator"] = torch.Generator().manual_seed(fresh.params.seed).get_state()
+    buffer = io.BytesIO()
+    torch.save(loaded, buffer)
+    return buffer.getvalue()
+
+
+CASES = {
+    "unet-euler-ancestral": (UNET, {"scheduler": "euler_ancestral"}),
+    "unet-dpmpp-2m": (UNET, {"scheduler": "dpmpp_2m"}),
+    "unet-step-cache": (UNET, {"scheduler": "dpmpp_2m", "cache": StepCache(method="teacache", threshold=0.3)}),
+    "dit": (DIT, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_sample_resumed_from_its_checkpoint_on_another_engine_co_batched_gives_its_uninterrupted_bytes(replicas, case):
+    model, fields = CASES[case]
+    first, second = replicas[model]
+    (uninterrupted,) = first.render([sample(first, **fields)])
+
+    checkpoints: list[tuple[int, bytes]] = []
+    checkpointed = sample(first, **fields)
+    checkpointed.checkpoint_every, checkpointed.on_checkpoint = EVERY, lambda step, state: checkpoints.append((step, state))
+    (image,) = first.render([checkpointed])
+    assert [step for step, _ in checkpoints] == [3, 6]  # every 3 steps, none after the last
+    assert np.array_equal(image, uninterrupted)  # taking checkpoints changes nothing
+
+    for step, state in checkpoints:
+        resumed = sample(second, **fields)
+        resumed.resume = state
+        images = second.render([*neighbours(second), resumed])
+        assert np.array_equal(images[-1], uninterrupted), f"resumed after step {step}"
+        assert resumed.step == STEPS
+
+
+@pytest.mark.parametrize("case", ["unet-euler-ancestral", "unet-dpmpp-2m"])
+def test_control_a_resume_from_the_latents_alone_differs(replicas, case):
+    model, fields = CASES[case]
+    first, second = replicas[model]
+    (uninterrupted,) = first.render([sample(first, **fields)])
+    checkpoints: list[bytes] = []
+    checkpointed = sample(first, **fields)
+    checkpointed.checkpoint_every, checkpointed.on_checkpoint = EVERY, lambda step, state: checkpoints.append(state)
+    first.render([checkpointed])
+    resumed = sample(second, **fields)
+    resumed.resume = latents_only(checkpoints[0], resumed)
+    (image,) = second.render([resumed])
+    assert not np.array_equal(image, uninterrupted)
+
+
+def test_a_checkpoint_of_another_step_count_is_refused_naming_it(replicas):
+    first, second = replicas[UNET]
+    checkpoints: list[bytes] = []
+    checkpointed = sample(first, num_inference_steps=4)
+    checkpointed.checkpoint_every, checkpointed.on_checkpoint = 3, lambda step, state: checkpoints.append(state)
+    first.render([checkpointed])
+    short = sample(second, num_inference_steps=2)
+    short.resume = checkpoints[0]
+    with pytest.raises(ValueError, match="after step 3 of a sample of 2 steps"):
+        second.render([short])
