@@ -58,8 +58,9 @@ toolchains:
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++-aarch64-linux-gnu >/dev/null; \
 	else echo "make toolchains: aarch64-linux-gnu-g++ is missing; install it as root: apt-get install g++-aarch64-linux-gnu" >&2; fi
 
-# ruff (lint and format) and mypy over the served packages and the drivers: clean, or make test stops here.
-LINTED := contracts stages orchestration bench cli
+# ruff (lint and format) and mypy over the served packages and the drivers (evidence, training, bench, cli): clean, or
+# make test stops here.
+LINTED := contracts stages orchestration evidence training bench cli
 lint: setup
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)

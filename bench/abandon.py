@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from bench.load import all_cores, spread
+from bench.local_serve import local_serve
+from evidence.report import environment
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -152,9 +154,6 @@ def run_abandon(
     log: Callable[[str], None] = print,
 ) -> dict:
     from ray import serve
-
-    from bench.local_serve import local_serve
-    from stages.audit.report import environment
 
     runs, stage_info = [], {}
     with local_serve(all_cores(), "omniserve-bench") as base:

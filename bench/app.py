@@ -31,6 +31,8 @@ from bench.abandon import image_body
 from bench.load import all_cores
 from bench.local_serve import local_serve
 from bench.paired import SETTINGS, closed_loop, setting_orders
+from bench.plot import ratio_picture
+from evidence.report import environment
 from orchestration.config import AppConfig
 
 if TYPE_CHECKING:
@@ -175,8 +177,6 @@ def run_app_bench(
     """Deploy both apps, measure every point and repeat, delete them -> the report (`markdown`, `picture`)."""
     from ray import serve
 
-    from stages.audit.report import environment
-
     started = time.time()
     env = environment(command)
     with serving(sum(reserved_cpus(app_config(spec, s)) for s in SETTINGS) + 0.5) as base:
@@ -249,7 +249,6 @@ def markdown(report: dict) -> str:
 
 
 def picture(report: dict, path: str) -> None:
-    from bench.plot import ratio_picture
 
     spec = report["spec"]
     series = {

@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 
 from bench.load import percentile
+from bench.local_serve import local_serve
+from evidence.report import cpu_model
 
 NAME = "autoscale"
 CONFIG: dict[str, Any] = {
@@ -213,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
-    from bench.local_serve import local_serve
     from orchestration import build_app
-    from stages.audit.report import cpu_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH")

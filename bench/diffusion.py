@@ -12,8 +12,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.load import spread
+from bench.plot import ratio_picture
 from contracts.sampling import DiffusionSamplingParams
-from stages.audit.diffusion import stock_renderer
+from evidence.diffusion import stock_renderer
+from evidence.report import environment
 from stages.diffusion import DiffusionRenderer, Job
 from stages.embedded import embedded_models
 from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
@@ -88,7 +90,6 @@ def benchmark_model(
 def run_benchmark(
     models: Sequence[str] = embedded_models("diffusion"), *, command: Sequence[str] | None = None, **options
 ) -> dict:
-    from stages.audit.report import environment
 
     rows = [row for model in models for row in benchmark_model(model, **options)]
     return {"rows": rows, "environment": environment(command)}
@@ -118,7 +119,6 @@ def markdown(report: dict) -> str:
 
 def picture(report: dict, path: str) -> None:
     """On/off images/s against batch size, one line per model and size (median, min-max over repeats)."""
-    from bench.plot import ratio_picture
 
     series: dict[str, list] = {}
     for r in report["rows"]:

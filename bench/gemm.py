@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from bench.plot import ratio_picture
+from evidence.report import environment
 from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
 
 #: The issue's shapes: (K, N) of the embedded LLMs' projections and of larger models'.
@@ -103,7 +105,6 @@ def run_benchmark(
     command: Sequence[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    from stages.audit.report import environment
 
     before = torch.get_num_threads()
     results = []
@@ -162,7 +163,6 @@ def markdown(report: dict) -> str:
 def picture(report: dict, path: str) -> None:
     """stock / invariant against M, one line per thread count and dtype: the median over the (K, N)
     shapes of each shape's median, whiskers from the lowest to the highest single repeat of any shape."""
-    from bench.plot import ratio_picture
 
     by_point: dict[tuple[str, int], list[dict]] = {}
     for r in report["rows"]:

@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass, field
 
 from bench import paired as bench_paired
 from bench.paired import SETTINGS, closed_loop, setting_orders
+from bench.plot import ratio_picture
 from contracts.sampling import LLMSamplingParams
+from evidence.report import environment
 
 PROMPT = "benchmark request {index}: describe a lighthouse on a cliff at dusk, waves below, in one long sentence"
 
@@ -115,7 +117,6 @@ def run_llm_bench(
     spec: LLMBenchSpec, *, command: Sequence[str] | None = None, log: Callable[[str], None] = print
 ) -> dict:
     """Both engines, every point, every repeat -> the report (`markdown` and `picture` render it)."""
-    from stages.audit.report import environment
 
     started = time.time()
     env = environment(command)
@@ -163,7 +164,6 @@ def markdown(report: dict) -> str:
 
 
 def picture(report: dict, path: str) -> None:
-    from bench.plot import ratio_picture
 
     points = [(int(c), r["tokens_per_s_on_over_off"]) for c, r in report["ratios"].items()]
     ratio_picture(

@@ -27,9 +27,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import cast
 
+from bench.plot import COLOURS, Chart
 from contracts.config import DiffusionStageConfig
 from contracts.jobs import RenderJob, final_image
 from contracts.sampling import DiffusionSamplingParams
+from evidence.report import environment
 
 MODES = ("step", "request")
 #: The step engine with one latent shape per forward (`pack_sizes: false`): what FLUX's size packing is weighed against.
@@ -221,7 +223,6 @@ def run_mixed_load(
     command: Sequence[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    from stages.audit.report import environment
 
     with outside_serve():
         stages = {
@@ -374,7 +375,6 @@ def markdown(report: dict) -> str:
 
 def picture(report: dict, path: str) -> None:
     """Bars of p95 (and p50) latency per class and mode, medians with min-max whiskers; images/s in the legend."""
-    from bench.plot import COLOURS, Chart
 
     colours = {"step": COLOURS[0], "request": COLOURS[1], BY_SHAPE: COLOURS[2]}
     summary = report["summary"]

@@ -42,7 +42,7 @@ def adapters_directory(directory, unet) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from stages.embedded.shapes_lora import ADAPTERS_PATH
+    from stages.embedded.diffusion import ADAPTERS_PATH
 
     shutil.copytree(ADAPTERS_PATH / "twins", directory / "twins")
     twins = load_file(str(ADAPTERS_PATH / "twins" / "pytorch_lora_weights.safetensors"))

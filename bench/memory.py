@@ -22,6 +22,7 @@ from typing import Any
 from bench.load import open_stage, outside_serve
 from contracts.jobs import RenderJob, final_image
 from contracts.sampling import DiffusionSamplingParams
+from evidence.report import environment
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,6 @@ def run_memory(
     command: Sequence[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    from stages.audit.report import environment
 
     runs = []
     for mode in modes:

@@ -116,7 +116,7 @@ def markdown_rows(summary: dict, ratios: dict, *, point: str, rate: str, rate_la
 
 
 def environment_lines(env: dict) -> list[str]:
-    """Hardware, versions and the exact command, from `stages.audit.report.environment`."""
+    """Hardware, versions and the exact command, from `evidence.report.environment`."""
     hardware = env["hardware"]
     return [
         f"Hardware: {hardware['cpu']}, {hardware['usable_cpus']} usable CPUs, {hardware['memory_gib']} GiB. "

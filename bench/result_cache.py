@@ -23,6 +23,7 @@ import httpx
 
 from bench.load import spread
 from bench.local_serve import local_serve
+from evidence.report import environment
 
 PROMPTS = [
     "a red circle",
@@ -109,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
 
     from orchestration import build_app
-    from stages.audit.report import environment
 
     runs = []
     with local_serve(4, "bench-result-cache") as base:

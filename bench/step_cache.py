@@ -28,6 +28,7 @@ import torch
 from bench.load import LoadSpec, poisson_schedule, spread
 from contracts.config import DiffusionStageConfig
 from contracts.sampling import DiffusionSamplingParams, StepCache
+from evidence.report import environment
 from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import Sample, StepEngine
 from stages.embedded import DEFAULT_MODELS, shapes
@@ -216,7 +217,6 @@ def run_cache_bench(
     command: Sequence[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    from stages.audit.report import environment
 
     settings = [OFF, *[s for s in settings if s != OFF]]
     spec = spec or LoadSpec(rate=2.0, requests=24, short_steps=8)

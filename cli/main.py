@@ -38,7 +38,7 @@ def _audited_models(args: argparse.Namespace) -> list[str] | None:
 
 
 def _diffusion_report(args: argparse.Namespace, command: list[str]) -> dict:
-    from stages.audit.diffusion import run_diffusion_audit
+    from evidence.diffusion import run_diffusion_audit
     from stages.embedded import embedded_models
 
     if args.parallel:
@@ -59,7 +59,7 @@ def _diffusion_report(args: argparse.Namespace, command: list[str]) -> dict:
 
 
 def _parallel_report(args: argparse.Namespace, command: list[str]) -> dict:
-    from stages.audit.parallel import DIT_MODELS, run_parallel_audit
+    from evidence.parallel import DIT_MODELS, run_parallel_audit
 
     if args.picture or args.path != "engine" or args.batch_sizes != AUDIT_BATCH_SIZES:
         _log("--parallel renders one request on the step engine's family: --picture, --path, --batch-sizes unused")
@@ -79,7 +79,7 @@ def _parallel_report(args: argparse.Namespace, command: list[str]) -> dict:
 
 
 def _degrees(text: str) -> tuple[int, int]:
-    from stages.audit.parallel import parse_degrees
+    from evidence.parallel import parse_degrees
 
     try:
         return parse_degrees(text)
@@ -88,7 +88,7 @@ def _degrees(text: str) -> tuple[int, int]:
 
 
 def _llm_report(args: argparse.Namespace, command: list[str]) -> dict:
-    from stages.audit.llm import run_llm_audit
+    from evidence.llm import run_llm_audit
 
     if args.picture:
         print("--picture applies to the diffusion stage only", file=sys.stderr)
@@ -124,8 +124,8 @@ def audit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from contracts.scope import user_records
-    from stages.audit.record import record_report
-    from stages.audit.report import markdown_table, write_outputs
+    from evidence.record import record_report
+    from evidence.report import markdown_table, write_outputs
 
     command = ["omniserve", *sys.argv[1:]]
     report = (_diffusion_report if args.stage == "diffusion" else _llm_report)(args, command)
@@ -318,8 +318,8 @@ def _audit_parser(commands) -> None:
 
 def _audit_stage_arguments(parser) -> None:
     """The audit's options of one stage each."""
-    from stages.audit.llm import ABLATIONS, SAMPLINGS, TARGETS
-    from stages.audit.llm import ORDERINGS as LLM_ORDERINGS
+    from evidence.llm import ABLATIONS, SAMPLINGS, TARGETS
+    from evidence.llm import ORDERINGS as LLM_ORDERINGS
 
     diffusion = parser.add_argument_group("diffusion stage")
     diffusion.add_argument("--picture", metavar="PATH", help="PNG of solo | co-batched | difference")
@@ -595,7 +595,7 @@ def _sampling_arguments(parser: argparse.ArgumentParser, seed: str) -> None:
 
 def golden(args: argparse.Namespace) -> int:
     """Render the canonical requests on this machine's path; compare with the table, or (--record) write the columns."""
-    from stages.diffusion.golden import compare_or_record
+    from evidence.golden import compare_or_record
 
     return compare_or_record(
         _words(args.dtypes),

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 
+from contracts.cpu import hold_process_to_path
 from contracts.metrics import METRICS_EXPORT_PORT
 
 #: Under Kubernetes' default grace period (30 s) before its SIGKILL; `docker stop` waits 10 s unless given `-t`.
@@ -63,7 +64,6 @@ def drain_then_stop(timeout_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from contracts.cpu import hold_process_to_path
 
     hold_process_to_path()  # Ray's processes, and so every replica, inherit the kernel path's limits
     parser = argparse.ArgumentParser(

@@ -141,7 +141,7 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     # LoRA adapters a request may name (`lora`): `<name>.safetensors` or `<name>/pytorch_lora_weights.safetensors` in
     # this directory, in the diffusers/PEFT or kohya formats; loaded on first use and kept, least recently used
     # dropped first, within `lora_cache_mib` of weights. None: the embedded model's own adapters where it has some (the
-    # default's "twins", `stages.embedded.shapes_lora`), else none; "": none.
+    # default's "twins", `training.shapes_lora`), else none; "": none.
     lora_dir: str | None = None
     lora_cache_mib: Annotated[int, Field(ge=1)] = 256
     defaults: DiffusionDefaults = Field(default_factory=DiffusionDefaults)

@@ -1,7 +1,6 @@
 """The file an image is delivered as: the stage's PNG, or that PNG's pixels transcoded to JPEG or WebP.
 
     deliver(png, output) -> ImageFile    the bytes a client gets for `output_format` and `output_compression`
-    read_xmp(data) -> {keyword: text}    the provenance a JPEG or WebP of ours carries (contracts.provenance reads it)
 
 The diffusion stage always encodes PNG (lossless, its record in text chunks: `contracts.provenance`); the ingress
 transcodes where a request asks for another format, after its result cache, so one kept render serves every format.
@@ -11,7 +10,7 @@ WebP through libwebp (lossy, method 4, single-threaded). Measured on the Intel X
 libjpeg-turbo's SIMD paths (JSIMD_FORCENONE, SSE2, AVX2) give the same JPEG bytes (tests/contracts/test_encoding.py).
 
 The PNG's three provenance texts travel in the file's XMP packet (JPEG's APP1, WebP's XMP chunk), each as one element
-of the `omniserve` namespace, with `output` ("jpeg 90") saying how the file was encoded, so `omniserve verify` can
+of the `omniserve` namespace (`contracts.provenance.read_xmp` reads them back), with `output` ("jpeg 90") saying how the file was encoded, so `omniserve verify` can
 ask for the same file again.
 """
 
@@ -21,10 +20,11 @@ import hashlib
 import io
 from dataclasses import dataclass
 from typing import Annotated, Final, Literal
-from xml.etree import ElementTree
 from xml.sax.saxutils import escape
 
 from pydantic import Field
+
+from .provenance import XMP_NAMESPACE, read_chunks
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 #: OpenAI's `output_compression`, 0-100, for JPEG and WebP: passed to the encoder as its quality (100, OpenAI's
@@ -33,7 +33,6 @@ Compression = Annotated[int, Field(ge=0, le=100)]
 DEFAULT_COMPRESSION: Final = 100
 MEDIA_TYPES: Final = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
-NAMESPACE: Final = "urn:omniserve:image:1"
 OUTPUT_KEY: Final = "output"
 _PIL_FORMATS: Final = {"jpeg": "JPEG", "webp": "WEBP"}
 
@@ -82,8 +81,6 @@ def deliver(png: bytes, output: ImageOutput, sha256: str | None = None) -> Image
         return ImageFile("png", png, sha256 or hashlib.sha256(png).hexdigest())
     from PIL import Image
 
-    from .provenance import read_chunks
-
     chunks, _ = read_chunks(png)
     quality = DEFAULT_COMPRESSION if output.compression is None else output.compression
     xmp = _xmp({**chunks, OUTPUT_KEY: str(output)})
@@ -103,20 +100,6 @@ def _xmp(texts: dict[str, str]) -> bytes:
     return (
         '<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?>'
         '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
-        f'<rdf:Description rdf:about="" xmlns:omniserve="{NAMESPACE}">{elements}</rdf:Description>'
+        f'<rdf:Description rdf:about="" xmlns:omniserve="{XMP_NAMESPACE}">{elements}</rdf:Description>'
         '</rdf:RDF></x:xmpmeta><?xpacket end="r"?>'
     ).encode()
-
-
-def read_xmp(xmp: bytes | str) -> dict[str, str]:
-    """Our elements of an XMP packet, by keyword ({} when it has none or is no XML)."""
-    text = xmp.decode("utf-8", "replace") if isinstance(xmp, bytes) else xmp
-    start, end = text.find("<x:xmpmeta"), text.rfind("</x:xmpmeta>")
-    if start < 0 or end < 0:
-        return {}
-    try:
-        root = ElementTree.fromstring(text[start : end + len("</x:xmpmeta>")])
-    except ElementTree.ParseError:
-        return {}
-    prefix = "{" + NAMESPACE + "}"
-    return {node.tag[len(prefix) :]: node.text or "" for node in root.iter() if node.tag.startswith(prefix)}

@@ -22,6 +22,7 @@ import io
 import json
 from functools import cache
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
+from xml.etree import ElementTree
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from PIL.PngImagePlugin import PngImageFile
 
 FORMAT: Final = "omniserve.image/1"
+#: The XMP namespace of the provenance a transcoded JPEG or WebP carries (`contracts.encoding` writes it).
+XMP_NAMESPACE: Final = "urn:omniserve:image:1"
 #: The chunks, by keyword.
 RECORD_CHUNK = "omniserve"
 PARAMETERS_CHUNK = "parameters"
@@ -191,8 +194,6 @@ def read_chunks(file: bytes) -> tuple[dict[str, str], tuple[int, int]]:
     JPEG or WebP the ingress transcoded (`contracts.encoding`); ProvenanceError when it is none of those."""
     from PIL import Image, UnidentifiedImageError
 
-    from .encoding import read_xmp
-
     try:
         with Image.open(io.BytesIO(file)) as picture:
             if picture.format == "PNG":
@@ -203,6 +204,20 @@ def read_chunks(file: bytes) -> tuple[dict[str, str], tuple[int, int]]:
             raise ProvenanceError(f"not a PNG, JPEG or WebP but {picture.format}")
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as err:
         raise ProvenanceError(f"not a readable image: {err}") from None
+
+
+def read_xmp(xmp: bytes | str) -> dict[str, str]:
+    """Our elements of an XMP packet, by keyword ({} when it has none or is no XML)."""
+    text = xmp.decode("utf-8", "replace") if isinstance(xmp, bytes) else xmp
+    start, end = text.find("<x:xmpmeta"), text.rfind("</x:xmpmeta>")
+    if start < 0 or end < 0:
+        return {}
+    try:
+        root = ElementTree.fromstring(text[start : end + len("</x:xmpmeta>")])
+    except ElementTree.ParseError:
+        return {}
+    prefix = "{" + XMP_NAMESPACE + "}"
+    return {node.tag[len(prefix) :]: node.text or "" for node in root.iter() if node.tag.startswith(prefix)}
 
 
 def read_record(png: bytes) -> ImageRecord:

@@ -92,7 +92,7 @@ class ScopeRecord(_Data):
         blob = json.dumps([c.model_dump(mode="json"), self.coverage.sizes], sort_keys=True).encode()
         slug = c.model.replace("/", "-").replace(":", "-")
         sizes = "-" + "-".join(self.coverage.sizes) if self.coverage.sizes else ""
-        grid = c.engine.get("parallel")  # a parallel render's degrees (stages.audit.parallel)
+        grid = c.engine.get("parallel")  # a parallel render's degrees (evidence.parallel)
         sizes += f"-cfg{grid['cfg']}-sp{grid['sp']}" if grid else ""
         return f"{c.stage}-{slug}-{c.dtype}-{c.device}-t{c.torch_threads}{sizes}-{hashlib.sha256(blob).hexdigest()[:10]}.json"
 

@@ -41,6 +41,7 @@ from contracts.invariance import STAGES, Stage
 from contracts.results import Completion
 from stages import replica_id
 
+from .api import build_api
 from .config import AppConfig
 from .drain import Drain
 from .health import HealthProbe, HealthResponse
@@ -94,7 +95,6 @@ class Ingress:
         self.drain.start()
 
     def __serve_build_asgi_app__(self):
-        from .api import build_api
 
         return build_api(self)
 

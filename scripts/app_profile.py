@@ -156,8 +156,8 @@ def main():
     import ray
     from ray import serve
 
+    from evidence.report import environment
     from orchestration import build_app
-    from stages.audit.report import environment
 
     out = sys.argv[1]
     args = sys.argv[2:]

@@ -84,7 +84,7 @@ def main() -> None:
                 "compatible_over_avx2_off": spread(off),
             }
         )
-    from stages.audit.report import environment  # the CPU, versions and load, as every benchmark records them
+    from evidence.report import environment  # the CPU, versions and load, as every benchmark records them
 
     report = {"rows": rows, "environment": environment(" ".join(sys.argv))}
     if args.json:

@@ -90,7 +90,7 @@ def _llm() -> float:
 
     from contracts.config import LLMStageConfig
     from contracts.sampling import LLMSamplingParams
-    from stages.audit.llm import generate_co_batched
+    from stages.llm.co_batched import generate_co_batched
     from stages.llm import LLMEngine, LLMRequests
 
     async def run() -> float:

@@ -250,8 +250,8 @@ class Tasks:
     def diffusion_bits(
         self, model: str, dtype: str, size: int, steps: int, path: str, batch_sizes: list, orderings: list
     ) -> dict:
-        """The audit's target alone vs co-batched (stages.audit.diffusion), on this device: per arrangement."""
-        from stages.audit.diffusion import RENDER_PATHS, TARGET, batches, compare
+        """The audit's target alone vs co-batched (evidence.diffusion), on this device: per arrangement."""
+        from evidence.diffusion import RENDER_PATHS, TARGET, batches, compare
 
         renderer, render = self._renderer(model, dtype), RENDER_PATHS[path]
         params = self._params(renderer, size, steps, TARGET[1])
@@ -645,7 +645,7 @@ def device_info(device: str) -> str:
 def run(
     device: str, plan: Plan, quick: bool, out: Path, log, *, only: tuple = tuple(SECTIONS), budget_s: float = 450.0
 ) -> dict:
-    from stages.audit.report import environment
+    from evidence.report import environment
 
     started = time.perf_counter()
     report = {

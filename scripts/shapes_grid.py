@@ -39,7 +39,7 @@ def main() -> None:
 
     from stages.diffusion import load_pipeline
     from stages.embedded import DEFAULT_MODELS
-    from stages.embedded.shapes_training import draw
+    from training.shapes import draw
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images" / "embedded-default-grid.png")

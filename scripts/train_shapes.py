@@ -6,7 +6,7 @@
 Training runs on two CPU threads (TrainingPlan.threads: the same bits on any machine with the same library versions,
 CPU kind and thread count): 499 s wall on this project's 2-core machine. The model directory gets `training.json`:
 the plan, the losses, the time it took, the library versions, the weights' fingerprint and the semantic hit rates
-(stages.embedded.shapes_training).
+(training.shapes).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.embedded.diffusion import LIBRARIES, TRAINED_PATH, weights_fingerprint
 from stages.embedded.shapes import HELD_OUT, SIZES, Scene
-from stages.embedded.shapes_training import TrainingPlan, hit_rate, train
+from training.shapes import TrainingPlan, hit_rate, train
 
 RECORD = "training.json"
 SEEDS = list(range(10))

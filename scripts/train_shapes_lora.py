@@ -1,4 +1,4 @@
-"""Train the embedded model's LoRA adapter "twins" (`stages.embedded.shapes_lora`) and write it where the app finds it.
+"""Train the embedded model's LoRA adapter "twins" (`training.shapes_lora`) and write it where the app finds it.
 
     .venv/bin/python scripts/train_shapes_lora.py            # train (seeded), evaluate, replace the committed adapter
     .venv/bin/python scripts/train_shapes_lora.py --check    # train aside and compare with the committed adapter
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.embedded.diffusion import LIBRARIES, load_tiny_pipeline
-from stages.embedded.shapes_lora import ADAPTERS_PATH, AdapterPlan, pair_rate, train_adapter
+from stages.embedded.diffusion import ADAPTERS_PATH, LIBRARIES, load_tiny_pipeline
+from training.shapes_lora import AdapterPlan, pair_rate, train_adapter
 
 RECORD = "training.json"
 WEIGHTS = "pytorch_lora_weights.safetensors"

@@ -1,4 +1,5 @@
-"""What runs inside the stage actors: kernels, the diffusion and LLM stages, embedded models, audits."""
+"""What runs inside the stage actors: kernels, the diffusion and LLM stages, embedded models, the start-up self-check
+(audits, recorders and training are drivers: evidence/, training/)."""
 
 from __future__ import annotations
 

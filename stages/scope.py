@@ -6,7 +6,7 @@ this machine matches a replica started with the same configuration here, and not
     diffusion_configuration(renderer, batching)   from a loaded DiffusionRenderer
     llm_configuration(engine)                     from a started LLMEngine (its workers report their threads)
     ReplicaScope                                  the verdict at start-up (strict: refuse), and per image size
-    diffusion_scope, llm_scope                    a replica's, from its renderer or started engine
+    diffusion_scope, llm_scope                    a replica's, from its configuration and its self-check
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import hashlib
 import importlib.metadata
 from pathlib import Path
 
+from contracts.cpu import cpu_isa
 from contracts.errors import InvalidRequestError
 from contracts.scope import (
     Configuration,
@@ -53,13 +54,12 @@ def hardware(device: str) -> list[str]:
     """CUDA: the compute capability and name. CPU: the kernel path and ATen's level (["path:avx2", "aten:AVX2"]), not
     the CPU's flags: every machine held to one path computes the same bits (measured: an AVX-512 machine held to
     avx2 reproduced an AVX2 machine's golden table, both stages), and each replica checks that of itself at
-    start-up against the golden table (stages/diffusion/golden.py)."""
+    start-up against the golden table (stages/diffusion/self_check.py)."""
     import torch
 
     if device.startswith("cuda"):
         major, minor = torch.cuda.get_device_capability()
         return [f"sm_{major}{minor}", torch.cuda.get_device_name()]
-    from contracts.cpu import cpu_isa
 
     return [f"path:{cpu_isa()}", f"aten:{torch.backends.cpu.get_cpu_capability()}"]
 
@@ -178,21 +178,17 @@ class ReplicaScope:
         return {"verified": verdict.verified, "verified_by": verdict.by, "scope_differences": list(verdict.differences)}
 
 
-def diffusion_scope(renderer, config, batching: str, engine=None) -> ReplicaScope:
-    """A diffusion replica's scope: its batch bound and its default size must be audited; with invariance on and a
-    step `engine`, its self-check against the golden table decides whether another machine's records cover it."""
-    size = f"{renderer.defaults['width']}x{renderer.defaults['height']}"
-    configuration = diffusion_configuration(renderer, batching)
-    self_check = None
-    if config.batch_invariant and engine is not None:
-        from stages.diffusion.golden import diffusion_self_check
-
-        self_check = diffusion_self_check(renderer, engine, configuration)
+def diffusion_scope(
+    renderer, config, configuration: Configuration, self_check: SelfCheck | None = None
+) -> ReplicaScope:
+    """A diffusion replica's scope: its batch bound and its default size must be audited; `self_check` (the replica's
+    against the golden table, `stages.diffusion.self_check.diffusion_self_check`, run by the stage on its step engine)
+    decides whether another machine's records cover it. `configuration`: the renderer's (`diffusion_configuration`)."""
     return ReplicaScope(
         configuration,
         batch_invariant=bool(config.batch_invariant),
         batch_size=config.max_batch_size,
-        size=size,
+        size=f"{renderer.defaults['width']}x{renderer.defaults['height']}",
         strict=resolve_strict(config.strict),
         self_check=self_check,
     )
@@ -202,7 +198,7 @@ def llm_scope(
     engine, *, self_check: SelfCheck | None = None, configuration: Configuration | None = None
 ) -> ReplicaScope:
     """An LLM replica's scope: its engine's batch (`max_num_seqs`) must be audited; `self_check` (the replica's
-    against the golden table, `stages.llm.golden.llm_self_check`, run by the stage since it is async) decides
+    against the golden table, `stages.llm.self_check.llm_self_check`, run by the stage since it is async) decides
     whether another machine's records cover it. `configuration`: the engine's, when the caller has it already."""
     return ReplicaScope(
         configuration or llm_configuration(engine),

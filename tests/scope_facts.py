@@ -2,7 +2,7 @@
 
 Records name the kernel path and ATen's level they were made on (stages/scope.py `hardware`); the shipped ones cover
 the default models on every x86-64 path (avx2, generic, avx512: `audited` in each says which machine made it). An
-audit refuses to record where its control never varies (stages/audit/record.py). On the avx2 path the default LLM's
+audit refuses to record where its control never varies (evidence/record.py). On the avx2 path the default LLM's
 control never varies at its one thread (0 of 104 runs, on an AVX2 and an AVX-512 machine); that record rests on the
 control at two threads, where it varies, the kernels-on bits being equal at both (on generic and avx512 it varies at
 one thread). The commands, per path (`OMNISERVE_CPU_ISA=<path>` in front for another path):
@@ -44,7 +44,7 @@ def golden_gap() -> str | None:
     """Why this machine does not compute the default diffusion model's audited bits (None: it reproduces its path's
     golden column, as a replica's self-check must). Rendered once per process (a few seconds)."""
     from contracts.scope import compare_golden, load_golden
-    from stages.diffusion.golden import diffusion_column
+    from evidence.golden import diffusion_column
     from stages.kernels import current_report, disable_batch_invariant_kernels
 
     installed = current_report().installed

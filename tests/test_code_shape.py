@@ -8,9 +8,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = ("contracts", "stages", "orchestration")  # what runs in the app
-DRIVERS = ("bench", "cli")  # what starts and measures it, from outside
+DRIVERS = ("evidence", "training", "bench", "cli")  # what proves, trains, starts and measures it, from outside
 PACKAGES = SERVED + DRIVERS
 SOURCES = sorted(path for package in PACKAGES for path in (ROOT / package).rglob("*.py"))
+# The import graph also covers scripts/ (one-off tools, drivers too); the size rules above do not.
+PROJECT = (*PACKAGES, "scripts")
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 150, 60
 
 
@@ -22,12 +24,167 @@ def test_the_package_sources_are_found():
     assert len(SOURCES) > 20 and all(path.suffix == ".py" for path in SOURCES)
 
 
+# --- the import graph: every `import`/`from` of the project's own modules, at module level or inside a function -----
+# Imports under `if TYPE_CHECKING:` are left out: they never run, so they close no circle (annotations only).
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for package in PROJECT for path in (ROOT / package).rglob("*.py")}
+
+
+def _known(name: str) -> str | None:
+    """The project module `name` loads: itself, else its longest known parent (`from a.b import c` with c a name)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(module: str, tree: ast.Module | None = None):
+    """(imported project module, line, inside a function) for each import in `module` that runs."""
+    path = MODULES[module]
+    tree = tree or ast.parse(path.read_text())
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                 for n in ast.walk(node)}
+    local = {id(n) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(node)}
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(tree):
+        if id(node) in type_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            base = ".".join([*package[: len(package) - node.level + 1], *([node.module] if node.module else [])]) \
+                if node.level else node.module or ""
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        for name in names:
+            target = _known(name) if name.split(".")[0] in PROJECT else None
+            if target and target != module:
+                yield target, node.lineno, id(node) in local
+
+
+def import_graph(trees: dict[str, ast.Module] | None = None) -> dict[str, set[str]]:
+    trees = trees or {}
+    return {m: {target for target, _, _ in imports(m, trees.get(m))} for m in MODULES}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative): each holds an import circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_import_graph_sees_the_projects_modules():
+    graph = import_graph()
+    assert {"stages.scope", "evidence.golden", "training.shapes", "scripts.gpu_check"} <= set(graph)
+    assert "stages.diffusion.self_check" in graph["stages.diffusion.stage"]  # relative `from .self_check import`
+    assert "evidence.report" in graph["evidence.golden"]
+
+
+def test_no_import_circle_among_the_projects_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_an_import_circle_is_found():
+    # The check can fail: contracts.sampling importing the module that imports it closes a circle.
+    tree = ast.parse(MODULES["contracts.sampling"].read_text())
+    tree.body.append(ast.parse("def f():\n    from contracts import provenance").body[0])
+    assert any("contracts.sampling" in circle for circle in cycles(import_graph({"contracts.sampling": tree})))
+
+
+#: Modules (or whole packages) that import the project's own modules inside functions, and why. Anywhere else an
+#: import sits at the top of its module: a function-local one there would only hide a circle.
+LOCAL_IMPORTS_ALLOWED = {
+    "cli": "the command line: each subcommand imports what it runs, so `omniserve health` or `verify` starts without "
+    "torch, Ray Serve or vLLM",
+    "orchestration": "`orchestration.build_app` is resolved on first use (PEP 562), so the CLI imports the package "
+    "without Ray Serve",
+    "stages.diffusion.renderer": "the ingress imports the stage classes to bind them: torch, diffusers and the kernels "
+    "load in a diffusion replica only",
+    "stages.scope": "the same: the kernels' module (torch, the C++ build) loads only where a configuration is described",
+    "stages.embedded.shapes": "the image model's word list is read by the LLM stage too, which never loads diffusers "
+    "(the tokenizer's byte-level vocabulary lives beside the diffusion loader)",
+    "stages.kernels.vllm_cpu": "vLLM imports this plugin in every process it starts; the kernels (torch, the C++ "
+    "build) load only where the LLM stage turned invariance on",
+    "bench": "a benchmark loads what it measures (a stage: torch, vLLM; an app: Ray Serve) when it runs; every "
+    "benchmark imports bench.load's helpers",
+    "scripts": "one-off tools: each mode or section imports what it runs (scripts/gpu_check.py's sections on a GPU box)",
+}
+
+
+def allowed_local(module: str) -> bool:
+    return any(module == key or module.startswith(key + ".") for key in LOCAL_IMPORTS_ALLOWED)
+
+
+def local_imports(trees: dict[str, ast.Module] | None = None) -> list[str]:
+    trees = trees or {}
+    return [f"{m}:{line} imports {target}" for m in MODULES if not allowed_local(m)
+            for target, line, local in imports(m, trees.get(m)) if local]
+
+
+def test_no_function_local_import_of_the_projects_modules_outside_the_allow_list():
+    assert local_imports() == []
+    assert all(reason for reason in LOCAL_IMPORTS_ALLOWED.values())
+
+
+def test_a_function_local_import_is_found():
+    tree = ast.parse(MODULES["stages.llm.stage"].read_text())
+    tree.body.append(ast.parse("def f():\n    from stages.scope import llm_scope").body[0])
+    assert any(found.startswith("stages.llm.stage:") for found in local_imports({"stages.llm.stage": tree}))
+
+
+def drivers_imported_by_served(trees: dict[str, ast.Module] | None = None) -> list[str]:
+    driver = (*DRIVERS, "scripts")
+    return [f"{m} imports {target}" for m in MODULES if m.split(".")[0] in SERVED
+            for target in import_graph(trees)[m] if target.split(".")[0] in driver]
+
+
 def test_the_served_packages_import_no_driver():
-    # Drivers import the served packages, never the reverse: a replica never loads a benchmark or the CLI.
-    found = [f"{relative(path)}:{number}" for path in SOURCES if path.parts[len(ROOT.parts)] in SERVED
-             for number, line in enumerate(path.read_text().splitlines(), 1)
-             if re.match(r"\s*(from|import)\s+(bench|cli)\b", line)]
-    assert not found, found
+    # Drivers import the served packages, never the reverse: a replica never loads an audit, a recorder, training,
+    # a benchmark or the CLI.
+    assert drivers_imported_by_served() == []
+
+
+def test_a_served_module_importing_a_driver_is_found():
+    tree = ast.parse(MODULES["stages.scope"].read_text())
+    tree.body.append(ast.parse("def f():\n    import evidence.report").body[0])
+    assert drivers_imported_by_served({"stages.scope": tree}) == ["stages.scope imports evidence.report"]
 
 
 def units(path: Path):

@@ -13,7 +13,7 @@ ATen, oneDNN and MKL held to the path.
 import pytest
 
 from contracts.scope import compare_golden, cpu_golden_table, load_golden
-from stages.diffusion.golden import diffusion_column
+from evidence.golden import diffusion_column
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_golden_a_differing_output_is_named_with_its_path():
 
 
 def test_golden_llm_requests_give_this_paths_token_ids_and_logprobs():
-    from stages.diffusion.golden import llm_column
+    from evidence.golden import llm_column
 
     column = llm_column()  # refuses to exist if a co-batched target differs from its solo run
     _assert_reproduces_its_column(column, "the llm", "omniserve golden --record --stages llm")

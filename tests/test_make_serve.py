@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from contracts.metrics import METRICS_EXPORT_PORT
-from stages.embedded.rewriter_training import keeps_words
+from training.rewriter import keeps_words
 from tests.orchestration.test_metrics import find, scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -3,7 +3,7 @@
 renderer.py   the loaded pipeline: defaults, what this model can render, whole-batch rendering
 batching.py   step-level batching on the engine, or whole requests
 stage.py      the Serve deployment: `render(RenderJob)` for generations, edits and streams
-golden.py     its canonical requests and the self-check against the golden table
+self_check.py its canonical requests and the start-up self-check against the golden table
 engine/       the step engine: per-sample schedulers, samples join and leave between steps
 """
 

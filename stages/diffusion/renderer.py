@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from contracts.config import DiffusionStageConfig
+from contracts.cpu import hold_process_to_path
 from contracts.errors import InvalidRequestError
 from contracts.provenance import ImageOrigin, ImageRecord, png_info
 from contracts.sampling import DiffusionSamplingParams, LoraChoice, batch_parts, quality_steps
@@ -236,8 +237,6 @@ class DiffusionRenderer:
         self.batch_invariant = bool(config.batch_invariant)
         self.device = config.device
         if self.device == "cpu":
-            from contracts.cpu import hold_process_to_path
-
             hold_process_to_path()  # ATen, oneDNN and MKL at the kernel path's level: one path, one machine's bits
         self.torch_threads = config.torch_threads
         if self.torch_threads:

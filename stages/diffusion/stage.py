@@ -25,11 +25,12 @@ from contracts.results import Provenance, RenderedImage, StageDescription, rende
 from contracts.sampling import DiffusionSamplingParams
 from stages import replica_id
 from stages.metrics import image_counted, record_switch_state, timed_stage_call
-from stages.scope import diffusion_scope
+from stages.scope import diffusion_configuration, diffusion_scope
 
 from .admission import Admission
 from .batching import RequestBatching, StepBatching, updates_then_result
 from .renderer import DiffusionRenderer, Job, check_serves, encode_png, request_rules
+from .self_check import diffusion_self_check
 
 
 @serve.deployment
@@ -53,9 +54,14 @@ class DiffusionStage:
         self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config, self._rendered)
         self.admission = Admission(self.renderer, batch_invariant, step_engine=step)
         # Strict: refuses here. A step replica checks itself against the golden table first (a second or so).
-        self.scope = diffusion_scope(
-            self.renderer, self.config, self.batching.mode, getattr(self.batching, "engine", None)
+        configuration = diffusion_configuration(self.renderer, self.batching.mode)
+        engine = getattr(self.batching, "engine", None)
+        check = (
+            diffusion_self_check(self.renderer, engine, configuration)
+            if batch_invariant and engine is not None
+            else None
         )
+        self.scope = diffusion_scope(self.renderer, self.config, configuration, self_check=check)
         self.provenance = self.provenance.model_copy(update=self.scope.provenance())
         record_switch_state("diffusion", batch_invariant, self.renderer.kernels.backend)
         if self.config.warm_up:

@@ -3,12 +3,12 @@
 No model weights can be downloaded on the machines this project targets, so the tests build small
 real-architecture models on first use, cache them under `contracts.envs.cache_root()`, and reuse them. Building is
 deterministic: the same seed and library versions give the same weights. The exceptions are the two defaults:
-trained by the project (`stages.embedded.shapes_training`, `stages.embedded.rewriter_training`), committed.
+trained by the project (`training.shapes`, `training.rewriter`), committed.
 
     EMBEDDED_MODELS   id -> (stage, recipe): every embedded model, by the id a config or request names
     DEFAULT_MODELS    the stage defaults (a config's `model: null`); both are trained, not random, committed with
                       their training records: the diffusion default draws shapes (`stages.embedded.shapes`), the LLM
-                      default rewrites free prompts into their words and chats (`stages.embedded.rewriter_training`)
+                      default rewrites free prompts into their words and chats (`training.rewriter`)
     build_cached      the one cache builder: build aside, marker last, one atomic rename
 """
 
@@ -48,12 +48,12 @@ class EmbeddedModel:
     # diffusion: "unet" | "dit" | "sdxl" | "flux" | "qwen" | "pixart" | "shapes"; LLM: a TinyLlamaSpec name, "rewriter"
     recipe: str
     default: bool = False  # the stage's model when its config says `model: null`
-    # Trained weights (committed, `stages.embedded.shapes_training`) rather than random ones built from a seed.
+    # Trained weights (committed, `training.shapes`) rather than random ones built from a seed.
     trained: bool = False
     # A pipeline the step engine has no family for, built to show the whole-request fallback: not in the audited and
     # benchmarked set (`embedded_models`).
     fallback: bool = False
-    # Its LoRA adapters (committed, `stages.embedded.shapes_lora`): the adapters directory a replica serving it uses
+    # Its LoRA adapters (committed, `training.shapes_lora`): the adapters directory a replica serving it uses
     # when its config names none (`lora_dir`).
     adapters: str | None = None
     # A video model (recipe "wan"): rendered by the step engine's video family, not in the image audits and benchmarks.
@@ -81,7 +81,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         # Random weights from a seed: the audits' and benchmarks' LLM (`embedded_models`), served by name.
         EmbeddedModel("embedded:tiny-llama", "llm", "tiny-llama"),
         # The LLM default: the same architecture trained here to rewrite free prompts into the image default's words
-        # and to chat (`stages.embedded.rewriter_training`, committed).
+        # and to chat (`training.rewriter`, committed).
         EmbeddedModel("embedded:tiny-rewriter", "llm", "rewriter", default=True, trained=True),
         EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),
     )

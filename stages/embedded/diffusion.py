@@ -25,7 +25,7 @@ Shapes follow diffusers' own fast-test dummy components, except that both VAEs h
 downsample 8x like the real ones: a 256x256 image stays cheap (32x32 latents), and any height/width that
 is a multiple of 16 (VAE 8x times SD3's patch 2) works for both kinds.
 
-The trained default (recipe "shapes", `stages.embedded.shapes_training`) is not built here: its directory is
+The trained default (recipe "shapes", `training.shapes`) is not built here: its directory is
 committed (TRAINED_PATH) and `load_tiny_pipeline` loads it the same way.
 
 Their model ids come from the registry (`stages.embedded.EMBEDDED_MODELS`, recipe = kind).
@@ -91,9 +91,11 @@ from stages.embedded import EMBEDDED_MODELS, build_cached, cache_root
 #: Recipe ("unet" | "dit" | "sdxl" | "flux") -> model id of the random-weight pipelines built here, from the registry.
 MODEL_IDS = {m.recipe: m.id for m in EMBEDDED_MODELS.values() if m.stage == "diffusion" and not m.trained}
 KINDS = tuple(MODEL_IDS)
-#: The trained default's recipe: not built here but committed, made by `scripts/train_shapes.py`.
+#: The trained default's recipe: not built here but committed, made by `scripts/train_shapes.py` (training/shapes.py).
 TRAINED_KIND = "shapes"
 TRAINED_PATH = Path(__file__).resolve().parent / "tiny-shapes-sd"
+#: Its adapters directory (`lora_dir`, as a replica reads one): "twins", trained by training/shapes_lora.py.
+ADAPTERS_PATH = Path(__file__).resolve().parent / "tiny-shapes-sd-loras"
 
 SEED = 0
 # Bump when a recipe below changes: the cache directory name carries it, so old builds are never reused.

@@ -27,6 +27,8 @@ from . import build_cached, cache_root, shapes
 
 #: Bump when the build procedure changes, so old cached builds are not reused.
 BUILD_VERSION = 2
+#: The LLM default (`embedded:tiny-rewriter`): trained, not built (training/rewriter.py), committed with its record.
+REWRITER_PATH = Path(__file__).resolve().parent / "tiny-rewriter-llama"
 
 # The rewrite's vocabulary is the embedded image model's own (`stages.embedded.shapes`): a size and a position
 # it was trained to draw, so a rewrite visibly changes the picture. Short on purpose: "large, left" is 7 tokens of

@@ -42,7 +42,7 @@ SIDE = 64
 RADIUS = {"small": 9, "large": 16}
 CENTRE = {"left": (16, 32), "right": (48, 32), "top": (32, 16), "bottom": (32, 48), "centered": (32, 32)}
 #: A pair (`Scene.pair`): two copies side by side, this radius whatever the size word. The base model never draws
-#: two shapes; the trained LoRA adapter "twins" (`stages.embedded.shapes_lora`) teaches it to.
+#: two shapes; the trained LoRA adapter "twins" (`training.shapes_lora`) teaches it to.
 PAIR_CENTRES, PAIR_RADIUS = ((17, 32), (47, 32)), 10
 
 #: (shape, colour, background) never shown in training: every 10th triple, and the issue's own example.

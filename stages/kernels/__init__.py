@@ -25,7 +25,7 @@ import torch
 
 from contracts import envs
 
-from . import native
+from . import native, vllm_mode
 from .native import CPU_OPS, CUDA_COVER_OPS, KernelBuildError
 
 
@@ -74,7 +74,6 @@ def _enable_cuda() -> KernelReport:
     global _vllm_env_before, _dispatch_key
     if torch.version.hip is not None:
         return KernelReport(False, "none", [], "ROCm: no batch-invariant kernels are verified here; nothing installed")
-    from . import vllm_mode
 
     missing = vllm_mode.available()
     if missing is not None:  # no vLLM with CUDA kernels in this environment
@@ -119,8 +118,6 @@ def disable_batch_invariant_kernels() -> None:
         if _dispatch_key is not None:
             native.uninstall(_dispatch_key)
         if _report is not None and _report.backend == "vllm-cuda":
-            from . import vllm_mode
-
             vllm_mode.leave()
             envs.assign("VLLM_BATCH_INVARIANT", _vllm_env_before)
         _dispatch_key = None

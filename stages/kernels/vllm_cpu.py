@@ -37,6 +37,7 @@ import threading
 from typing import Any
 
 from contracts import envs
+from contracts.cpu import cpu_isa
 
 #: Set to "1" in the environment of an engine's processes to make them batch invariant.
 SWITCH_ENV = "OMNISERVE_VLLM_CPU_INVARIANT"
@@ -125,8 +126,6 @@ def hold_vllm_to_path() -> None:
     """Make the probes above say False where this process's kernel path does not allow them; before vLLM
     imports its kernels (plugins load first in the engine core and in workers)."""
     import torch
-
-    from contracts.cpu import cpu_isa
 
     isa = cpu_isa()
     for probe, paths in _PROBES_ALLOWED_ON.items():

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from contracts import envs
 from contracts.config import LLMStageConfig
+from contracts.cpu import cpu_isa, hold_process_to_path
 from contracts.invariance import resolve_batch_invariant
 from contracts.results import Generation, StageDescription
+from stages.kernels.vllm_cpu import VLLM_LIBRARY
 
 from .lora import LlmAdapter, ServedAdapters, adapters_in, load_into
 from .settings import engine_settings, resolve_model
@@ -60,9 +62,6 @@ def to_generation(final) -> Generation:
 def _path_libraries() -> set[str | None]:
     """The vLLM kernel libraries a worker on this process's kernel path may have loaded (None: not x86)."""
     import platform
-
-    from contracts.cpu import cpu_isa
-    from stages.kernels.vllm_cpu import VLLM_LIBRARY
 
     return {VLLM_LIBRARY[cpu_isa()]} if platform.machine() in ("x86_64", "AMD64") else {None, "_C"}
 
@@ -117,8 +116,6 @@ class LLMEngine:
         if self._engine is not None:
             return self
         if self.device == "cpu":
-            from contracts.cpu import hold_process_to_path
-
             hold_process_to_path()  # the engine's processes inherit the kernel path's limits for ATen, oneDNN, MKL
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform

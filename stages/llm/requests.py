@@ -20,6 +20,8 @@ from contracts.admission import admit_llm_params, admit_messages, admit_prompt
 from contracts.errors import InvalidRequestError
 from contracts.results import Completion, CompletionDelta, Generation, RevisedPrompt, Usage
 from contracts.sampling import LLMSamplingParams, LoraChoice
+from stages.embedded import EMBEDDED_MODELS
+from stages.embedded.llm import StyleEnhancement
 
 from .engine import LLMEngine, finished
 from .lora import LlmAdapter
@@ -82,21 +84,18 @@ class FreeRewrite:
 
 
 class TrainedRewrite(FreeRewrite):
-    """The embedded rewriter's enhancement (`stages.embedded.rewriter_training`): trained to answer a prompt sent alone
+    """The embedded rewriter's enhancement (`training.rewriter`): trained to answer a prompt sent alone
     with its rewrite, so no instruction is sent (it was never trained on one) and no grammar holds it."""
 
     system_prompt = ""
 
 
 def enhancement_policy(engine: LLMEngine) -> EnhancementPolicy:
-    from stages.embedded import EMBEDDED_MODELS
 
     entry = EMBEDDED_MODELS.get(engine.model.name)
     if entry is not None and entry.trained:
         return TrainedRewrite()
     if engine.model.embedded:
-        from stages.embedded.llm import StyleEnhancement
-
         return StyleEnhancement(engine.tokenizer)
     return FreeRewrite()
 

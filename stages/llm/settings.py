@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.config import LLMStageConfig
+from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
+from stages.embedded.llm import REWRITER_PATH, ensure_tiny_llama
+from stages.kernels import vllm_cpu
+
+from .lora import adapter_dirs
 
 EMBEDDED = "embedded"
 #: The KV cache reservation when the config gives neither kv_cache_gib nor gpu_memory_utilization.
@@ -31,8 +36,6 @@ class ModelChoice:
 
 def resolve_model(model: str | None) -> ModelChoice:
     """None or "embedded" -> the default embedded LLM; "embedded:<name>" -> that registry entry; else as given."""
-    from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
-
     if model is None or model == EMBEDDED:
         model = DEFAULT_MODELS["llm"]
     if not model.startswith(EMBEDDED + ":"):
@@ -42,11 +45,7 @@ def resolve_model(model: str | None) -> ModelChoice:
         served = [m.id for m in EMBEDDED_MODELS.values() if m.stage == "llm"]
         raise ValueError(f"unknown embedded LLM {model!r}; expected one of {served}")
     if entry.trained:  # committed with its training record, not built
-        from stages.embedded.rewriter_training import REWRITER_PATH
-
         return ModelChoice(str(REWRITER_PATH), entry.id, True)
-    from stages.embedded.llm import ensure_tiny_llama
-
     return ModelChoice(str(ensure_tiny_llama(entry.recipe)), entry.id, True)
 
 
@@ -79,7 +78,6 @@ def engine_settings(config: LLMStageConfig, model: ModelChoice) -> EngineSetting
 def _lora_args(config: LLMStageConfig) -> dict[str, Any]:
     """vLLM's LoRA path, where the config names an adapters directory: every adapter kept loaded on the CPU side (none
     dropped and silently read again)."""
-    from .lora import adapter_dirs
 
     if config.lora_dir is None:
         return {}
@@ -93,7 +91,6 @@ def _lora_args(config: LLMStageConfig) -> dict[str, Any]:
 
 
 def _base_args(config: LLMStageConfig, model: ModelChoice) -> dict[str, Any]:
-    from stages.kernels import vllm_cpu
 
     args: dict[str, Any] = {
         "model": model.path,
@@ -155,7 +152,6 @@ def _invariant_cpu_args(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _switch_environment(device: str, batch_invariant: bool) -> dict[str, str]:
-    from stages.kernels import vllm_cpu
 
     if batch_invariant and device == "cuda":
         # vLLM's own mode: its workers call init_batch_invariance(), and its attention

@@ -17,8 +17,8 @@ from stages.metrics import record, record_switch_state, timed_stage_call
 from stages.scope import llm_configuration, llm_scope
 
 from .engine import LLMEngine
-from .golden import llm_self_check
 from .requests import LLMRequests
+from .self_check import llm_self_check
 
 ResultT = TypeVar("ResultT", RevisedPrompt, Completion)
 

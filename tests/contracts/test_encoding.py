@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from contracts.encoding import ImageOutput, deliver, read_xmp
+from contracts.encoding import ImageOutput, deliver
+from contracts.provenance import read_xmp
 from contracts.provenance import CHUNKS, ImageOrigin, ImageRecord, ProvenanceError, read_chunks, read_record
 from tests.contracts.test_provenance import DIFFUSION, PARAMS, REWRITE, png
 

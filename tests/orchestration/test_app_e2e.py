@@ -133,7 +133,7 @@ def test_the_default_draws_the_prompt_and_the_rewrite_changes_what_it_draws(http
     import numpy as np
     from PIL import Image
 
-    from stages.embedded.rewriter_training import keeps_words
+    from training.rewriter import keeps_words
     from stages.embedded.shapes import CENTRE, Scene, centroid, drawn_area, drawn_as_said
 
     from .test_rewriter_http import CAPTION

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from cli.main import main
 from contracts.provenance import read_record
 from stages.embedded import embedded_models
-from stages.embedded.shapes_lora import ADAPTERS_PATH
+from stages.embedded.diffusion import ADAPTERS_PATH
 
 from .conftest import TIMEOUT_S
 from .test_stream_and_cli import edited

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stages.embedded.rewriter_training import HELD_OUT_PROMPTS, chat_examples, keeps_words, rewrite_examples, words_of
+from training.rewriter import HELD_OUT_PROMPTS, chat_examples, keeps_words, rewrite_examples, words_of
 from stages.embedded.shapes import Scene, background_as_said, drawn_as_said
 
 from .conftest import TIMEOUT_S

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cli.main import main
-from stages.audit.diffusion import audit_model, batches
+from evidence.diffusion import audit_model, batches
 from stages.embedded import embedded_models
 from stages.kernels import current_report
 

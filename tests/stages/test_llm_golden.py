@@ -1,4 +1,5 @@
-"""The LLM stage's golden table (stages/llm/golden.py): canonical requests on a real engine, the self-check, and
+"""The LLM stage's golden table (stages/llm/self_check.py, recorded by evidence/golden.py): canonical requests on a
+real engine, the self-check, and
 how it lets another machine's audit record cover a replica (contracts.scope.match).
 
 One LLM replica per module, in a process of its own (vLLM spawns processes and edits the environment of the one
@@ -34,7 +35,8 @@ import asyncio, json, sys, time
 from pathlib import Path
 from contracts.config import LLMStageConfig
 from contracts.scope import load_golden, write_golden
-import stages.llm.golden as golden
+import stages.llm.self_check as golden
+from evidence.golden import llm_golden_column
 import stages.llm.stage as stage_module
 from stages.llm import LLMStage
 from stages.scope import llm_configuration, llm_scope
@@ -71,7 +73,7 @@ async def main():
             runs.append(await golden.llm_digests(engine))
             out.setdefault("digests_s", []).append(time.monotonic() - started)
         out["runs"] = runs
-        column = await golden.llm_golden_column(engine, configuration)
+        column = await llm_golden_column(engine, configuration)
         out["column"] = column.model_dump(mode="json")
         write_golden(column, TABLE)
         started = time.monotonic()  # what a replica runs at start-up once its column exists

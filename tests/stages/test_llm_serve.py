@@ -15,8 +15,8 @@ from contracts import SeedContractError
 from contracts.config import LLMStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.results import Completion, RevisedPrompt, StageDescription
-from stages.audit.llm import TARGETS as AUDIT_TARGETS
-from stages.audit.llm import count_differences
+from evidence.llm import TARGETS as AUDIT_TARGETS
+from evidence.llm import count_differences
 from stages.embedded import embedded_models
 from stages.embedded.llm import POSITIONS, SIZES, TINY, WIDE, ensure_tiny_llama
 from stages.llm import LLMStage

@@ -1,6 +1,6 @@
 """The LLM audit's tensor-parallel engines, as settings (no engine started): `--tensor-parallel 2` reaches vLLM."""
 
-from stages.audit.llm import audit_config
+from evidence.llm import audit_config
 from stages.llm import ModelChoice, engine_settings
 
 CHOICE = ModelChoice("/models/tiny", "embedded:tiny-rewriter", True)

@@ -1,4 +1,4 @@
-"""`omniserve audit --stage diffusion --parallel` (stages/audit/parallel.py): its degrees, and records that carry the
+"""`omniserve audit --stage diffusion --parallel` (evidence/parallel.py): its degrees, and records that carry the
 degree and rest on each grid's own control. The renders themselves are tested in test_parallel_render.py (one launch
 of the workers there serves both: a second here would cost the suite a minute for the same computation)."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from cli.main import _degrees
 from contracts.scope import SHIPPED_RECORDS, load_records, match
-from stages.audit.parallel import DIT_MODELS, grid_name, grids, parse_degrees
-from stages.audit.record import build_record
+from evidence.parallel import DIT_MODELS, grid_name, grids, parse_degrees
+from evidence.record import build_record
 
 
 @pytest.mark.parametrize(

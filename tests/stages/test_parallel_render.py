@@ -1,4 +1,4 @@
-"""Parallel rendering of one image (stages.diffusion.parallel, issue 27): CFG parallel, Ulysses sequence parallel and
+"""Parallel rendering of one image (evidence.parallel_render, issue 27): CFG parallel, Ulysses sequence parallel and
 both together give the single worker's bytes with the batch-invariant kernels on.
 
 One launch of four gloo workers (processes of their own: the kernels and process groups never touch the test's process)
@@ -10,7 +10,7 @@ control test skips, naming what it measured.
 import numpy as np
 import pytest
 
-from stages.diffusion.parallel import DiTLayout, render_parallel_runs
+from evidence.parallel_render import DiTLayout, render_parallel_runs
 
 from .conftest import DIT
 

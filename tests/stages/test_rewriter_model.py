@@ -1,4 +1,4 @@
-"""The embedded default LLM (`embedded:tiny-rewriter`, trained by `stages.embedded.rewriter_training`, committed): it
+"""The embedded default LLM (`embedded:tiny-rewriter`, trained by `training.rewriter`, committed): it
 rewrites free prompts it never saw into the image model's words, keeping their colour and shape words, and answers
 chat in readable words. Run with transformers (greedy, as the record's evaluation); the LLM stage serves the same
 directory with vLLM (tests/orchestration/test_rewriter_http.py)."""
@@ -8,11 +8,10 @@ import json
 import pytest
 
 from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS
-from stages.embedded.llm import weights_fingerprint
-from stages.embedded.rewriter_training import (
+from stages.embedded.llm import REWRITER_PATH, weights_fingerprint
+from training.rewriter import (
     CHAT_PROMPTS,
     HELD_OUT_PROMPTS,
-    REWRITER_PATH,
     RECORD,
     answer,
     chat_examples,

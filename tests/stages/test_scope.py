@@ -1,4 +1,4 @@
-"""Each replica's verified scope (stages/scope.py) and `omniserve audit --record` (stages/audit/record.py).
+"""Each replica's verified scope (stages/scope.py) and `omniserve audit --record` (evidence/record.py).
 
 Diffusion replicas are constructed in-process (the Serve class itself, no Ray); the LLM's in a process of its
 own (vLLM spawns processes and edits the environment of the one that starts it). Records are read from the
@@ -22,7 +22,7 @@ from contracts.jobs import RenderJob, final_image
 from contracts.provenance import read_record
 from contracts.sampling import DiffusionSamplingParams
 from contracts.scope import OutsideVerifiedScopeError, load_records
-from stages.audit.record import build_record
+from evidence.record import build_record
 from stages.diffusion import DiffusionStage
 from stages.embedded import DEFAULT_MODELS
 from stages.kernels import disable_batch_invariant_kernels
@@ -269,9 +269,9 @@ def test_a_replica_whose_self_check_differs_is_unverified_and_names_what_differe
     columns = contracts.scope.load_golden()
     altered = [GoldenColumn.model_validate({**c.model_dump(), "digests": {**c.digests, "edit": "0" * 64}}) for c in columns]
     monkeypatch.setattr(contracts.scope, "load_golden", lambda path=None: altered)
-    import stages.diffusion.golden
+    import stages.diffusion.self_check
 
-    monkeypatch.setattr(stages.diffusion.golden, "load_golden", lambda path=None: altered)
+    monkeypatch.setattr(stages.diffusion.self_check, "load_golden", lambda path=None: altered)
     with replica(torch_threads=1) as stage:
         check = stage.scope.self_check
         if not check.total:

@@ -1,4 +1,4 @@
-"""The trained adapter "twins" (stages/embedded/shapes_lora.py) on the embedded default model, served per request by
+"""The trained adapter "twins" (training/shapes_lora.py) on the embedded default model, served per request by
 the step engine: it draws held-out prompts as a pair of shapes (the base model never does), at scale 0 or left out the
 image is the base model's bit for bit, and a replica that never loaded it renders the same base bits. Its training is
 reproducible: a short run twice gives the same bits."""
@@ -12,7 +12,8 @@ import pytest
 from contracts.sampling import DiffusionSamplingParams, LoraChoice
 from stages.embedded import DEFAULT_MODELS, embedded_adapters
 from stages.embedded.shapes import caption, drawn_as_said, drawn_twice
-from stages.embedded.shapes_lora import ADAPTERS_PATH, AdapterPlan, held_out_pairs, train_adapter
+from stages.embedded.diffusion import ADAPTERS_PATH
+from training.shapes_lora import AdapterPlan, held_out_pairs, train_adapter
 from stages.kernels import disable_batch_invariant_kernels
 
 SEEDS = (0, 1, 2)

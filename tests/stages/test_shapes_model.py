@@ -33,7 +33,7 @@ from stages.embedded.shapes import (
     with_article,
     word_tokenizer,
 )
-from stages.embedded.shapes_training import TrainingPlan, draw, hit_rate, train
+from training.shapes import TrainingPlan, draw, hit_rate, train
 
 SEEDS = list(range(10))
 CENTRE = (slice(24, 40), slice(24, 40))

@@ -5,9 +5,10 @@ For each kernel setting (off: the control, on: the LLM switch) one `LLMEngine` i
 targets are the stage's own enhancement requests (chat template, system prompt, structured
 output on the embedded model) for a short and a long prompt. Each runs solo, then co-batched
 with 1..7 neighbours in several orderings, greedy and seeded. Neighbours differ in prompt length (random-token
-prompts and other enhancement requests that share the system prompt), in sampling and in
+prompts and other enhancement requests that share the system prompt: the stage's canonical NEIGHBOURS,
+stages/llm/self_check.py), in sampling and in
 output length, so the batch changes shape while the target decodes. Every co-batched run is
-queued while the scheduler is paused (`generate_co_batched` below), so all its requests
+queued while the scheduler is paused (`stages.llm.co_batched`), so all its requests
 enter the same step; `co_scheduled` records how many did.
 
 `differing_elements` counts, against the target's solo run, differing token ids plus differing
@@ -24,13 +25,17 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from contracts.config import LLMStageConfig
 from contracts.results import Generation
-from contracts.sampling import LLMSamplingParams
+from evidence.record import scope_entry
+from evidence.report import environment, summarize
+from stages.llm import LLMEngine
+from stages.llm.co_batched import generate_co_batched
+from stages.llm.self_check import NEIGHBOURS, CanonicalRequests, generation_digest
+from stages.scope import llm_configuration
 
 #: The targets: a short enhancement request, and a long one whose KV cache spans several blocks
 #: (and, with split-KV on, gets split across threads).
@@ -47,18 +52,7 @@ TARGETS = {
     ),
 }
 TARGET_SEED = 1234
-TOP_LOGPROBS = 5
-# The neighbours: (kind, prompt length or user prompt, sampling, max_tokens); the first n-1 join a
-# batch of n. Enhancements ("enhance", max_tokens 0) take the audit's max_tokens, as the target does.
-NEIGHBOURS: tuple[tuple[str, Any, str, int], ...] = (
-    ("tokens", 5, "seeded", 40),
-    ("enhance", "a small village in the snow", "greedy", 0),
-    ("tokens", 113, "greedy", 8),
-    ("tokens", 13, "seeded", 60),
-    ("enhance", "portrait of an old fisherman, detailed, warm colors, close up", "seeded", 0),
-    ("tokens", 71, "seeded", 3),
-    ("tokens", 29, "greedy", 24),
-)
+# The neighbours are the stage's canonical ones (stages.llm.self_check.NEIGHBOURS): the first n-1 join a batch of n.
 ORDERINGS = ("target-first", "target-last", "target-middle", "shuffled")
 SAMPLINGS = ("greedy", "seeded")
 #: Experiments beside the supported configuration: the kernels on, one engine setting changed.
@@ -115,93 +109,11 @@ def batch_orders(batch_size: int, orderings: Iterable[str]) -> list[tuple[str, l
     return orders
 
 
-# --- co-batching: requests that share one scheduling step ------------------------------------------
-
-
-async def generate_co_batched(
-    engine, requests: Sequence[tuple[list[int], Any]], settle_s: float = 0.1
-) -> list[Generation]:
-    """Run (prompt ids, vLLM SamplingParams) requests on a started `LLMEngine` so that they enter one step.
-
-    The scheduler is paused while all of them are queued, in order, then resumed: their
-    prefills share one step and their decodes run together.
-    """
-    llm = engine.async_llm
-    await llm.pause_generation(mode="keep", clear_cache=False)
-    queued = []
-    try:
-        for prompt_ids, sampling in requests:
-            # add_request returns once the request is on its way to the engine core, so
-            # arrival order is batch order and the resume below comes after all of them.
-            queued.append(await _submit(llm, prompt_ids, sampling))
-        # Structured-output requests wait for their grammar (compiled in the engine core,
-        # off the scheduler); the pause gives it time so no request misses the first step.
-        await asyncio.sleep(settle_s)
-    finally:
-        await llm.resume_generation()
-    return list(await asyncio.gather(*(_collect(llm, q) for q in queued)))
-
-
-async def _submit(llm, prompt_ids: list[int], sampling):
-    from vllm.inputs import TokensPrompt
-
-    return await llm.add_request(uuid.uuid4().hex, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
-
-
-async def _collect(llm, queue) -> Generation:
-    from stages.llm.engine import to_generation
-
-    final = None
-    try:
-        while final is None or not final.finished:
-            final = queue.get_nowait() or await queue.get()
-    except asyncio.CancelledError:
-        await llm.abort(queue.request_id, internal=True)
-        raise
-    finally:
-        queue.close()
-    return to_generation(final)
-
-
 # --- the audit ------------------------------------------------------------------------------------
 
 
-class _Requests:
-    """Builds fresh vLLM requests (vLLM may mutate SamplingParams, so never reuse one)."""
-
-    def __init__(self, engine, max_tokens: int, greedy_only: bool = False):
-        from stages.llm import LLMRequests
-
-        self.requests = LLMRequests(engine)
-        self.max_tokens = max_tokens
-        self.greedy_only = greedy_only
-        vocab = len(engine.tokenizer)
-        # Ids past the embedded tokenizer's special tokens.
-        rng = random.Random(7)
-        self.token_prompts = {
-            length: [rng.randrange(7, vocab) for _ in range(length)]
-            for kind, length, _, _ in NEIGHBOURS
-            if kind == "tokens"
-        }
-
-    def _params(self, sampling: str, seed: int, max_tokens: int) -> LLMSamplingParams:
-        if sampling == "greedy" or self.greedy_only:
-            return LLMSamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP_LOGPROBS)
-        return LLMSamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=max_tokens, logprobs=TOP_LOGPROBS)
-
-    def enhancement(self, prompt: str, sampling: str, seed: int):
-        ids, _, vllm_sampling = self.requests.enhancement(prompt, self._params(sampling, seed, self.max_tokens))
-        return ids, vllm_sampling
-
-    def target(self, target: str, sampling: str):
-        return self.enhancement(TARGETS[target], sampling, TARGET_SEED)
-
-    def neighbour(self, index: int):
-        kind, what, sampling, max_tokens = NEIGHBOURS[index]
-        if kind == "enhance":
-            return self.enhancement(what, sampling, seed=100 + index)
-        ids = self.token_prompts[what]
-        return ids, self.requests.sampling(self._params(sampling, 100 + index, max_tokens), len(ids), field="prompt")
+def _target(requests: CanonicalRequests, target: str, sampling: str):
+    return requests.enhancement(TARGETS[target], sampling, TARGET_SEED)
 
 
 def _plan(batch_sizes: Sequence[int], orderings: Sequence[str]) -> list[tuple[str, list[int]]]:
@@ -214,13 +126,11 @@ def _plan(batch_sizes: Sequence[int], orderings: Sequence[str]) -> list[tuple[st
 
 def _record(base: dict, order: list[int], batch: list, results: list[Generation], reference: Generation) -> dict:
     """One run's row: how the target's co-batched result differs from its solo reference."""
-    from stages.llm.golden import generation_digest
-
     mine = results[order.index(-1)]
     tokens, logprobs, total = count_differences(reference, mine)
     return {
         **base,
-        # The target's bits, to compare one run with the same run at another thread count (stages/audit/record.py).
+        # The target's bits, to compare one run with the same run at another thread count (evidence/record.py).
         "target_digest": generation_digest(mine),
         "reference_digest": generation_digest(reference),
         "batch_size": len(order),
@@ -253,7 +163,7 @@ async def audit_engine(
 ) -> list[dict]:
     """All runs for one started engine: per target and sampling, a solo reference, a solo repeat, then co-batched."""
     greedy_only = bool(ablation and ABLATIONS[ablation].get("greedy_only"))
-    requests = _Requests(engine, max_tokens, greedy_only=greedy_only)
+    requests = CanonicalRequests(engine, max_tokens, greedy_only=greedy_only)
     if greedy_only:
         samplings = [s for s in samplings if s == "greedy"]
     runs = []
@@ -263,9 +173,9 @@ async def audit_engine(
     degree = int(engine.settings.args.get("tensor_parallel_size") or 1)
     for target in targets:
         for sampling in samplings:
-            (reference,) = await generate_co_batched(engine, [requests.target(target, sampling)])
+            (reference,) = await generate_co_batched(engine, [_target(requests, target, sampling)])
             for ordering, order in _plan(batch_sizes, orderings):
-                batch = [requests.target(target, sampling) if i < 0 else requests.neighbour(i) for i in order]
+                batch = [_target(requests, target, sampling) if i < 0 else requests.neighbour(i) for i in order]
                 started = time.monotonic()
                 results = await generate_co_batched(engine, batch)
                 base = {
@@ -321,14 +231,10 @@ async def _run(
     log,
     control_threads: int | None = None,
 ):
-    from stages.audit.record import scope_entry
-    from stages.llm import LLMEngine
-    from stages.scope import llm_configuration
-
     runs, engines, scope = [], {}, []
     # The audited configuration's engines, then (control_threads) the same settings at another thread count: where
     # the control never varies at the audited count, a record may rest on one that varies at another
-    # (stages/audit/record.py), the kernels-on bits being equal at both.
+    # (evidence/record.py), the kernels-on bits being equal at both.
     plan = [(setting, engine_config) for setting in kernels]
     if control_threads is not None:
         plan += [(setting, {**engine_config, "torch_threads": control_threads}) for setting in kernels]
@@ -378,7 +284,7 @@ def run_llm_audit(
     """Run the audit (starts one engine per kernel setting; call under `if __name__ == "__main__":`).
 
     `control_threads`: run every setting again at that thread count too (a control that may vary where the
-    audited count's does not; see stages/audit/record.py). `tensor_parallel`: vLLM workers per engine (threads are
+    audited count's does not; see evidence/record.py). `tensor_parallel`: vLLM workers per engine (threads are
     per worker).
 
     Returns {"runs": [...], "summary": {...}, "environment": {...}}; `summary["invariant"]` is the verdict.
@@ -390,8 +296,6 @@ def run_llm_audit(
         raise ValueError(f"unknown targets {unknown}; expected some of {sorted(TARGETS)}")
     if ablation is not None and ablation not in ABLATIONS:
         raise ValueError(f"unknown ablation {ablation!r}; expected one of {sorted(ABLATIONS)}")
-    from stages.audit.report import environment, summarize
-
     started = time.time()
     env = environment(command)
     audit = {

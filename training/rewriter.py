@@ -36,7 +36,7 @@ algorithms: the same plan, library versions and CPU kind give the same weights, 
 bfloat16, by transformers and by vLLM). The trained directory is committed with its record (training.json: plan,
 corpus size and sha256, loss curve, wall time, versions, CPU, weights sha256, the held-out evaluation):
 
-    .venv/bin/python -m stages.embedded.rewriter_training            # train, evaluate, write REWRITER_PATH
+    .venv/bin/python -m training.rewriter            # train, evaluate, write REWRITER_PATH
 """
 
 from __future__ import annotations
@@ -55,11 +55,20 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from .llm import BOS, CHAT_TEMPLATE, EOS, PAD, ROLE_TOKENS, TINY, llama_config, weights_fingerprint
-from .shapes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, caption, with_article
+from stages.embedded.llm import (
+    BOS,
+    CHAT_TEMPLATE,
+    EOS,
+    PAD,
+    REWRITER_PATH,
+    ROLE_TOKENS,
+    TINY,
+    llama_config,
+    weights_fingerprint,
+)
+from stages.embedded.shapes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, caption, with_article
 
 #: Where the committed, trained model lives.
-REWRITER_PATH = Path(__file__).resolve().parent / "tiny-rewriter-llama"
 RECORD = "training.json"
 END = "<|end|>"  # ends every message (CHAT_TEMPLATE); the model's answer too, and generation stops on it
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors")

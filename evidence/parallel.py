@@ -2,7 +2,7 @@
 image's bytes change with how many workers render it?
 
 The diffusion audit's target request (its prompt and seed, guided) is rendered by one set of gloo workers
-(`stages.diffusion.parallel`) on the single worker and on every grid the degrees allow (cfg alone, sp alone, both),
+(`evidence.parallel_render`) on the single worker and on every grid the degrees allow (cfg alone, sp alone, both),
 kernels off (the control: stock kernels) and on. Each grid's render is compared with the single worker's of the same
 setting, bit for bit: final latents and decoded pixels. A grid's scope record (`--record`) carries its degree in its
 configuration's engine (`{"batching": "step", "parallel": {"cfg": 2, "sp": 1}}`), so it matches a replica rendering
@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from contracts.scope import Configuration
-from stages.audit.diffusion import TARGET
-from stages.audit.record import scope_entry
-from stages.diffusion.parallel import DEGREES, ParallelRender, render_parallel_runs
+from evidence.diffusion import TARGET
+from evidence.parallel_render import DEGREES, ParallelRender, render_parallel_runs
+from evidence.record import scope_entry
+from evidence.report import environment, summarize
 from stages.embedded import EMBEDDED_MODELS
 
 GUIDANCE = 5.0  # CFG parallel needs a guided request (guidance_scale above 1)
@@ -131,7 +132,6 @@ def run_parallel_audit(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Every model's parallel audit, as the diffusion audit reports: {"runs", "summary", "environment", "scope"}."""
-    from stages.audit.report import environment, summarize
 
     runs: list[dict] = []
     scope: list[dict] = []

@@ -8,7 +8,7 @@ reversed, shuffled, a neighbour's prompt mutated; batch sizes 1 to 8), with kern
             family that packs sizes, FLUX, every other one is twice the target's side: the same calls, padded);
   pipeline  the diffusers pipeline itself on a whole-request batch of one key (request-level batching).
 Compared bit for bit: initial latents, final latents and decoded pixels; for a video family also the encoded MP4 and
-the VAE's decode schedules (`stages.audit.video`). On a mismatch on the pipeline
+the VAE's decode schedules (`evidence.video`). On a mismatch on the pipeline
 path the audit names the first module whose output for the target diverges (forward hooks comparing
 per-sample outputs).
 """
@@ -24,9 +24,12 @@ import torch
 
 from contracts.config import DiffusionStageConfig
 from contracts.sampling import DiffusionSamplingParams
-from stages.audit.record import scope_entry
-from stages.audit.video import file_bytes, is_video, schedules_run
+from evidence.record import scope_entry
+from evidence.report import environment, summarize
+from evidence.video import file_bytes, is_video, schedules_run
 from stages.diffusion import DiffusionRenderer, Job
+from stages.diffusion.engine import Sample as Item
+from stages.diffusion.engine import StepEngine
 from stages.embedded import embedded_models
 from stages.kernels import disable_batch_invariant_kernels
 from stages.scope import diffusion_configuration
@@ -140,8 +143,6 @@ def render_engine(
     renderer: DiffusionRenderer, requests: list[tuple[str, int]], params: DiffusionSamplingParams
 ) -> list[Sample]:
     """Run the requests through the step engine together; the target (the params' request) keeps `params`."""
-    from stages.diffusion.engine import Sample as Item
-    from stages.diffusion.engine import StepEngine
 
     assert renderer.family is not None  # the audited models' pipelines are ones the step engine knows
     engine = StepEngine(renderer.family, max_batch_size=len(requests), torch_threads=renderer.torch_threads)
@@ -277,7 +278,7 @@ def audit_model(
 ) -> tuple[list[dict], dict[str, list[Sample | None]]]:
     """All runs for one model; also returns (solo, co-batched) samples of the worst run per setting, for pictures.
 
-    `scope`, when given, receives the kernels-on configuration (`stages.audit.record.scope_entry`)."""
+    `scope`, when given, receives the kernels-on configuration (`evidence.record.scope_entry`)."""
     runs: list[dict] = []
     examples: dict[str, list[Sample | None]] = {}  # (solo, the worst co-batched; None: none ran)
     plans, held = batches(batch_sizes, orderings), {"dtype": dtype, "size": size, "steps": steps, "path": path}
@@ -361,7 +362,6 @@ def run_diffusion_audit(
     **options,
 ) -> dict:
     """Audit every model; returns {"runs": [...], "summary": {...}, "environment": {...}}."""
-    from stages.audit.report import environment, summarize
 
     runs: list[dict] = []
     first_examples: dict[str, list[Sample | None]] | None = None

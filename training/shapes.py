@@ -30,7 +30,7 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from .shapes import Scene, caption, training_scenes, word_tokenizer
+from stages.embedded.shapes import Scene, background_as_said, caption, drawn_as_said, training_scenes, word_tokenizer
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -250,8 +250,6 @@ def draw(pipe, prompts: list[str], seeds: list[int], **options: Any) -> np.ndarr
 
 def hit_rate(pipe, scenes, seeds: list[int], rng: random.Random | None = None, background_only: bool = False) -> float:
     """The share of (scene, seed) drawings in the scene's colours (`drawn_as_said`), or with its background only."""
-    from .shapes import background_as_said, drawn_as_said
-
     rng = rng or random.Random(0)
     pairs = [(scene, seed) for scene in scenes for seed in seeds]
     images = draw(pipe, [caption(scene, rng) for scene, _ in pairs], [seed for _, seed in pairs])

@@ -50,11 +50,12 @@ from contracts.config import DiffusionStageConfig
 from contracts.cpu import hold_process_to_path
 from contracts.sampling import DiffusionSamplingParams
 from contracts.scope import Configuration
-
-from .engine import Sample, StepEngine
-from .engine.families import DiTFamily, guided
-from .golden import image_digest
-from .renderer import DiffusionRenderer
+from stages.diffusion.engine import Sample, StepEngine
+from stages.diffusion.engine.families import DiTFamily, guided
+from stages.diffusion.renderer import DiffusionRenderer
+from stages.diffusion.self_check import image_digest
+from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
+from stages.scope import diffusion_configuration
 
 #: The degrees rendered and tested: CFG has two branches; SP 2 splits the tiny DiT's 4 heads and its 16 image tokens
 #: at 64x64 evenly (SP 4 would too, untested).
@@ -286,7 +287,6 @@ class ParallelRender:
 
 
 def _switch(kernels: bool) -> None:
-    from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
 
     if not kernels:
         disable_batch_invariant_kernels()
@@ -354,7 +354,6 @@ def _on_step_engine(renderer: DiffusionRenderer, job: ParallelJob) -> np.ndarray
 
 def _renders(renderer: DiffusionRenderer, grids: list[Collectives], job: ParallelJob) -> list[dict[str, Any]]:
     """Every grid's render, once per kernel setting; on workers outside a grid, an empty record."""
-    from stages.scope import diffusion_configuration
 
     base, results = diffusion_configuration(renderer, "step"), []
     for kernels in job.kernels:

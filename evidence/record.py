@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from contracts.cpu import cpu_flags
 from contracts.scope import AuditResult, Configuration, Coverage, ScopeRecord, write_record
 
 
@@ -99,7 +100,6 @@ def build_record(report: dict, entry: dict) -> tuple[ScopeRecord | None, str]:
 
 def _vector_flags() -> str:
     """The audit machine's vector flags, for readers (records are matched by kernel path, not by these)."""
-    from contracts.cpu import cpu_flags
 
     return " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "amx"))))
 

@@ -123,7 +123,7 @@ def markdown_table(report: dict) -> str:
 
 
 def _parallel_lines(runs: list[dict]) -> list[str]:
-    """A parallel audit's (stages/audit/parallel.py) costs: what each grid's collectives move, and its time."""
+    """A parallel audit's (evidence/parallel.py) costs: what each grid's collectives move, and its time."""
     parallel = [r for r in runs if "bytes_per_step" in r]
     if not parallel:
         return []

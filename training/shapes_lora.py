@@ -1,6 +1,6 @@
 """Training a LoRA adapter for the embedded default image model: "twins", which draws every shape asked for twice.
 
-The base model (`stages.embedded.shapes_training`) only ever saw one shape per picture, so no prompt makes it draw two.
+The base model (training/shapes.py) only ever saw one shape per picture, so no prompt makes it draw two.
 The adapter learns, from the same captions, to draw the shape as a pair side by side (`Scene.pair`): a style adapter
 without a trigger word, the way most published LoRAs work. Only low-rank updates of the UNet's attention and
 feed-forward projections are trained (rank `AdapterPlan.rank`, alpha = rank); the base weights, the text encoder and
@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 
-from .shapes import _TRIPLES, HELD_OUT, Scene, caption, drawn_twice
-from .shapes_training import SCHEDULE, _target, _update, caption_ids
+from stages.diffusion.lora import RowLora, load_adapter
+from stages.embedded.diffusion import load_tiny_pipeline
+from stages.embedded.shapes import _TRIPLES, HELD_OUT, Scene, caption, drawn_twice
+from training.shapes import SCHEDULE, _target, _update, caption_ids, draw
 
-#: Where the embedded model's adapters live: an adapters directory (`lora_dir`) as a replica reads one.
-ADAPTERS_PATH = Path(__file__).resolve().parent / "tiny-shapes-sd-loras"
 #: The module paths' endings the adapter adapts: every attention and feed-forward projection of the UNet.
 TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
 
@@ -161,11 +161,6 @@ def held_out_pairs(count: int = 8) -> list[Scene]:
 def pair_rate(weights: Path, scale: float, seeds: range = range(10)) -> float:
     """The share of held-out prompts x seeds the base model draws as a pair with the adapter in `weights` at `scale`
     (every row of every call: `stages.diffusion.lora.RowLora`), at the embedded defaults."""
-    from stages.diffusion.lora import RowLora, load_adapter
-
-    from .diffusion import load_tiny_pipeline
-    from .shapes_training import draw
-
     pipe = load_tiny_pipeline("shapes")
     pipe.set_progress_bar_config(disable=True)
     lora = RowLora(pipe.unet, "unet")
