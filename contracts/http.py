@@ -55,8 +55,8 @@ from .sampling import (
     PartialImages,
     Penalty,
     Prompt,
-    Quality,
     RepetitionPenalty,
+    ReportedQuality,
     StopList,
     StopText,
     Temperature,
@@ -479,7 +479,9 @@ class ImagesResponse(BaseModel):
     data: list[ImageData]
     model: str
     size: str
-    quality: Quality = "auto"
+    # What the images were rendered at, in OpenAI's terms (`reported_quality`); left out where the request gave its
+    # own num_inference_steps (OpenAI's schema has no term for a step count, and no "auto" in a response).
+    quality: ReportedQuality | None = Field(default=None, exclude_if=_absent)
     output_format: OutputFormat = "png"
     invariance: dict[str, StageInvariance]
 
@@ -491,7 +493,9 @@ class _ImageEvent(BaseModel):
     b64_json: str
     created_at: int
     size: str  # "<width>x<height>"
-    quality: Quality = "auto"
+    # `reported_quality`, or "auto" where there is no OpenAI term for what was rendered (the request gave its steps):
+    # OpenAI's event schemas require the field and take "auto" there.
+    quality: ReportedQuality | Literal["auto"] = "auto"
     background: Literal["opaque"] = "opaque"
     output_format: OutputFormat = "png"
     # Extension: which of the request's n images the event is of (OpenAI's events have none: they stream n=1).

@@ -152,6 +152,21 @@ def quality_steps(quality: str, default_steps: int) -> int:
     return max(1, round(default_steps * QUALITY_SHARES[quality]))
 
 
+#: The qualities a response reports, in OpenAI's terms: its published ImagesResponse schema takes these (not "auto",
+#: nor DALL-E's "standard" and "hd").
+ReportedQuality = Literal["low", "medium", "high"]
+
+
+def reported_quality(quality: str | None, num_inference_steps: int | None) -> ReportedQuality | None:
+    """What an image was rendered at, in OpenAI's terms: the term of the same share of the default steps as the
+    request's quality ("auto", or no quality at all, renders the default steps: "high"; "standard": "medium"; "hd":
+    "high"). None where the request gave its own `num_inference_steps`: no OpenAI term names a step count."""
+    if num_inference_steps is not None:
+        return None
+    share = QUALITY_SHARES[quality or "auto"]
+    return next(term for term in get_args(ReportedQuality) if QUALITY_SHARES[term] == share)
+
+
 #: LoRA adapters one request may compose (applied in the order given), and the bounds of a scale.
 MAX_LORAS = 4
 LoraName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]

@@ -13,10 +13,10 @@ line; <kind> is `image_generation` (generations) or `image_edit` (edits):
 
     event: <kind>.partial_image       up to partial_images per image (fewer if it has too few steps), in order
     data: {"type": "<kind>.partial_image", "b64_json": "<PNG preview>", "created_at": 1767225600, "size": "64x64",
-           "quality": "auto", "background": "opaque", "output_format": "png", "partial_image_index": 0,
+           "quality": "high", "background": "opaque", "output_format": "png", "partial_image_index": 0,
            "image_index": 0}
     event: <kind>.completed           one per image: the bytes a non-streamed request returns for it
-    data: {"type": "<kind>.completed", "b64_json": "<PNG>", "created_at": ..., "size": "64x64", "quality": "auto",
+    data: {"type": "<kind>.completed", "b64_json": "<PNG>", "created_at": ..., "size": "64x64", "quality": "high",
            "background": "opaque", "output_format": "png", "image_index": 0, "revised_prompt": "...", "seed": 7,
            "sha256": "<hex of the PNG>", "replica": "...", "batch_size": 1, "steps_co_batched": 0,
            "usage": {"input_tokens": 12, "input_tokens_details": {"image_tokens": 0, "text_tokens": 12},

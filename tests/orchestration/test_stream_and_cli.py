@@ -39,6 +39,7 @@ def test_openai_client_streams_partial_images_then_the_non_streamed_bytes(client
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     assert all(e.size == "64x64" and e.output_format == "png" and decoded(e).startswith(b"\x89PNG") for e in events)
+    assert all(e.quality == "high" for e in events)  # the default steps, in OpenAI's terms
     completed = events[-1]
     whole = http.post("/v1/images/generations", json={"prompt": PROMPT, "size": "64x64", "seed": 7}).json()["data"][0]
     assert decoded(completed) == base64.b64decode(whole["b64_json"])
