@@ -5,7 +5,8 @@ pickling to another process), so these models refuse one and ask for `seed` inst
 Models are frozen, strict (no silent coercion: `True`, `1.0` and `"1"` are not seeds),
 forbid unknown fields, and round-trip exactly through JSON.
 
-Every bound on a sampling field is written once, as a type below; the HTTP schemas use the same types.
+Every bound on a sampling field is written once, as a type below; the HTTP schemas use the same types. Every integer
+type is a StrictInt: a JSON `1.0` is refused as no integer (a 400 naming the field), whatever the model's strictness.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictInt,
     StrictStr,
     create_model,
     model_validator,
@@ -116,7 +118,7 @@ def _bounded_nesting(value: Any) -> Any:
 
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
-PartialImages = Annotated[int, Field(ge=0, le=MAX_PARTIAL_IMAGES)]
+PartialImages = Annotated[StrictInt, Field(ge=0, le=MAX_PARTIAL_IMAGES)]
 PromptText = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
 Prompt = Annotated[
     PromptText,
@@ -124,10 +126,10 @@ Prompt = Annotated[
     Field(json_schema_extra=lambda schema: schema.update(pattern=visible_text_pattern())),  # the same rule, declared
 ]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
-Steps = Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)]
-Frames = Annotated[int, Field(ge=1, le=MAX_FRAMES)]
+Steps = Annotated[StrictInt, Field(ge=1, le=MAX_INFERENCE_STEPS)]
+Frames = Annotated[StrictInt, Field(ge=1, le=MAX_FRAMES)]
 GuidanceScale = Annotated[Finite, Field(ge=0.0, le=100.0)]
-Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
+Side = Annotated[StrictInt, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
 # Nested lists of floats: the serializable form of a latents tensor.
 NestedFloats = TypeAliasType("NestedFloats", "list[Annotated[float, Field(allow_inf_nan=False)]] | list[NestedFloats]")
 Latents = Annotated[NestedFloats, BeforeValidator(_bounded_nesting)]
@@ -175,13 +177,13 @@ Sha256 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
 
 Temperature = Annotated[Finite, Field(ge=0.0, le=2.0)]
 TopP = Annotated[Finite, Field(gt=0.0, le=1.0)]
-TopK = Annotated[int, Field(ge=1, le=MAX_TOP_K)]
+TopK = Annotated[StrictInt, Field(ge=1, le=MAX_TOP_K)]
 MinP = Annotated[Finite, Field(ge=0.0, le=1.0)]
-MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
-MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)]
+MinTokens = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)]
 StopText = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]
-Logprobs = Annotated[int, Field(ge=0, le=20)]
+Logprobs = Annotated[StrictInt, Field(ge=0, le=20)]
 Penalty = Annotated[Finite, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[Finite, Field(gt=0.0, le=2.0)]
 

@@ -434,7 +434,8 @@ def _serve_documents(api: FastAPI, ingress: Ingress) -> None:
 
 DESCRIPTION = (
     "Reproducible two-stage (LLM -> diffusion) generation; OpenAI-compatible Images, Videos (where served) and Chat "
-    "routes."
+    "routes. An integer field takes a JSON integer only: `1.0` is refused as `1.5` is (JSON Schema's `integer` would "
+    "take it; OpenAI's clients and this server do not)."
 )
 
 
