@@ -278,12 +278,8 @@ MAX_CACHE_THRESHOLD = 10.0
 
 class StepCache(
     Contract,
-    json_schema_extra={  # `_threshold_iff_cached`, declared
+    json_schema_extra={  # `_no_threshold_when_off`, declared
         "allOf": [
-            {
-                "if": {"properties": {"method": {"const": "teacache"}}},
-                "then": {"required": ["threshold"], "properties": {"threshold": {"type": "number"}}},
-            },
             {
                 "if": {"properties": {"method": {"const": "off"}}},
                 "then": {"properties": {"threshold": {"type": "null"}}},
@@ -294,16 +290,20 @@ class StepCache(
     """Per-sample step caching (an extension; stages.diffusion.engine.step_cache): TeaCache's rule, decided for each
     sample from its own values alone, so a cached sample's bits never depend on its neighbours. "teacache": the
     relative L1 change of the sample's denoiser input is accumulated step by step; while it stays under `threshold`,
-    the sample's last prediction is reused and its rows stay out of the denoiser call. "off": every step computed
-    (overrides a deployment's default)."""
+    the sample's last prediction is reused and its rows stay out of the denoiser call. Without a threshold, the one
+    measured for the model's family (`Family.cache_threshold`: 0.2 for SD's UNet and the tiny FLUX DiT), which the
+    replica fills in, so an image's record holds the threshold it ran with; a family without a measurement refuses
+    it. "off": every step computed (overrides a deployment's default)."""
 
     method: Literal["teacache", "off"]
     threshold: Annotated[Finite, Field(gt=0.0, le=MAX_CACHE_THRESHOLD)] | None = None
 
     @model_validator(mode="after")
-    def _threshold_iff_cached(self) -> Self:
-        if (self.method == "teacache") != (self.threshold is not None):
-            raise PydanticCustomError("cache_threshold", "give a threshold with method 'teacache', and none with 'off'")
+    def _no_threshold_when_off(self) -> Self:
+        if self.method == "off" and self.threshold is not None:
+            raise PydanticCustomError(
+                "cache_threshold", "a threshold goes with method 'teacache' only, none with 'off'"
+            )
         return self
 
     @property

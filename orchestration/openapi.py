@@ -66,6 +66,7 @@ def served_schema(
         _narrow_images(schema, config, diffusion, llm, require_seed=name != "edit-form")
     loras = diffusion.get("details", {}).get("loras", [])
     _adapters(components, loras)
+    _step_cache(components, diffusion.get("details", {}).get("requests", {}))
     chat = components.get("ChatCompletionRequest")
     if chat is not None:
         _narrow_chat(chat, config, llm)
@@ -95,6 +96,24 @@ def _adapters(components: dict[str, Any], loras: list[str]) -> None:
     if choice is not None:
         choice["properties"]["name"] = {"type": "string", "enum": list(loras)}
         choice["properties"].pop("sha256", None)
+
+
+def _step_cache(components: dict[str, Any], rules: dict[str, Any]) -> None:
+    """A TeaCache request's threshold: left out, the one measured for the model's family (`cache_threshold`, as the
+    stage reports it); required where the family has none."""
+    schema = components.get("StepCache")
+    if schema is None:
+        return
+    measured = rules.get("cache_threshold")
+    if measured is None:
+        required = {"required": ["threshold"], "properties": {"threshold": {"type": "number"}}}
+        schema.setdefault("allOf", []).append(
+            {"if": {"properties": {"method": {"const": "teacache"}}}, "then": required}
+        )
+    else:
+        schema["properties"]["threshold"]["description"] = (
+            f"left out with 'teacache': {measured}, measured for this model"
+        )
 
 
 def _rewritten_prompt_fits(schema: dict[str, Any], llm: dict[str, Any]) -> None:
