@@ -69,6 +69,7 @@ from .sampling import (
 from .seeds import Seed
 
 MAX_IMAGES = 8
+MiB = 2**20
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits only (`\d` would take any script's digits)
 #: What a request's `size` may look like (the sides' bounds are checked by `parse_size`).
 SIZE_PATTERN = r"^([0-9]{1,5}x[0-9]{1,5}|auto)$"
@@ -309,7 +310,15 @@ class ImageEditRequest(
         "latents": "an edit's initial latents come from its image",
     }
 
-    image: bytes = Field(description="the image to edit: PNG, JPEG or WebP, at most 16 MiB and 4096x4096")
+    image: bytes = Field(
+        description=f"the image to edit: PNG, JPEG or WebP, at most {MAX_IMAGE_BYTES // MiB} MiB; rendered at its own "
+        f"size, so its width and height are multiples of {SIDE_MULTIPLE} in [{MIN_SIDE}, {MAX_SIDE}] (`x-image-size`; "
+        "a deployment's document narrows the multiple to its model's and adds its pixel limit)",
+        json_schema_extra={
+            "x-max-bytes": MAX_IMAGE_BYTES,
+            "x-image-size": {"multipleOf": SIDE_MULTIPLE, "minimum": MIN_SIDE, "maximum": MAX_SIDE},
+        },
+    )
 
 
 @functools.cache
@@ -619,7 +628,6 @@ class ErrorResponse(BaseModel):
 
 # --- request bodies: their content types and size limits, and strict JSON --------------------------------
 
-MiB = 2**20
 #: A JSON request without latents: every other field at its bound fits well within it.
 MAX_JSON_BODY_BYTES = MiB
 #: The most a latents value takes as JSON text, its separator included ("-1.2345678901234567e-100, ").

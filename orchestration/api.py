@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from contracts.encoding import MEDIA_TYPES
 from contracts.errors import InvalidRequestError, invalid_request
@@ -344,7 +345,19 @@ def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any], drain: Dr
     @api.exception_handler(StarletteHTTPException)
     async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown paths, wrong methods, unreadable bodies: same body shape all the same.
+        if exc.status_code == 405:
+            exc.headers = {**(exc.headers or {}), "Allow": allowed_methods(api, request)}
         return error_response(http_error(exc))
+
+
+def allowed_methods(api: FastAPI, request: Request) -> str:
+    """What a 405's `Allow` says: every method of every route of the request's path (Starlette names the first
+    route's only: `OPTIONS /v1/videos/{id}` was told GET, though DELETE is served there too)."""
+    methods: set[str] = set()
+    for route in api.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
 
 
 #: FastAPI's own /openapi.json, /docs and /redoc off: `_serve_documents` serves the deployment's.

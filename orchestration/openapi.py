@@ -2,19 +2,21 @@
 what this deployment enforces, so that a request the document calls valid is served and one it calls invalid is
 refused (a schema-driven fuzzer checks both: tests/orchestration/test_schema_fuzz.py).
 
-From the app's config: `seed` required under a stage's invariance (the seed contract), the inputs the contract forbids
-then (`generator_device`, `latents`, `sigmas`) left out, the step and pixel limits. From the stages themselves (their
-`describe()`, asked once): the model ids a request may name, the adapters and schedulers a replica serves, the size
-multiple and the fewest steps of its model, whether it takes `true_cfg_scale` and per-sample fields (`cache`, `lora`).
-Sizes carry `format: "image-size"` with `x-max-pixels` and `x-size-multiple` (a pattern cannot say "width x height at
-most N pixels"). The server-sent events of a streamed request are declared with OpenAPI 3.2's `itemSchema`.
+From the app's config: `seed` required under a stage's invariance (the seed contract: for chat, only where it samples,
+temperature not 0), the inputs the contract forbids then (`generator_device`, `latents`, `sigmas`) left out, the step
+and pixel limits. From the stages themselves (their `describe()`, asked once): the model ids a request may name, the
+adapters and schedulers a replica serves, the size multiple and the fewest steps of its model, whether it takes
+`true_cfg_scale` and per-sample fields (`cache`, `lora`), and step caching's measured default threshold. Sizes carry
+`format: "image-size"` with `x-max-pixels` and `x-size-multiple` (a pattern cannot say "width x height at most N
+pixels"); an edit's image its `x-image-size` (the sides it may have: it renders at them). Integer bounds are the exact
+integers the server enforces (the seed's up to 2**64 - 1). The server-sent events of a streamed request are declared
+with OpenAPI 3.2's `itemSchema`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import math
 from typing import Any, cast
 
 from pydantic import BaseModel
@@ -22,6 +24,7 @@ from pydantic import BaseModel
 from contracts.http import ChatCompletionChunk, ImageCompletedEvent, ImagePartialEvent
 from contracts.invariance import STAGES
 from contracts.sampling import MAX_INFERENCE_STEPS
+from contracts.seeds import MAX_SEED, MIN_SEED
 
 from .config import AppConfig
 from .health import HealthProbe
@@ -72,9 +75,7 @@ def served_schema(
         _narrow_chat(chat, config, llm)
     _narrow_videos(document, config)
     _declare_events(document, components)
-    for schema in components.values():
-        for field in schema.get("properties", {}).values():
-            _inside_doubles(_nullable({"f": field}, "f"))
+    _exact_integers(document)
     return document
 
 
@@ -145,6 +146,9 @@ def _narrow_images(
     size.update(
         {"format": "image-size", "x-max-pixels": limits.max_pixels, "x-size-multiple": rules.get("size_multiple", 8)}
     )
+    image = properties.get("image")
+    if image is not None:  # an edit renders at its image's size: the same multiple and pixel limit as `size`
+        image["x-image-size"].update(multipleOf=size["x-size-multiple"], **{"x-max-pixels": limits.max_pixels})
     _only(properties, "model", _model_ids(config, "diffusion", diffusion))
     if not rules.get("true_cfg", False):
         properties.pop("true_cfg_scale", None)
@@ -173,8 +177,10 @@ def _narrow_videos(document: dict[str, Any], config: AppConfig) -> None:
 
 def _narrow_chat(schema: dict[str, Any], config: AppConfig, llm: dict[str, Any]) -> None:
     properties = schema["properties"]
-    if config.switches.llm:  # a sampled completion needs its seed (a greedy one, temperature 0, is served without)
-        _require(schema, "seed")
+    if config.switches.llm:  # the seed contract (admit_chat): a sampled completion needs its seed, a greedy one not
+        seeded = {"required": ["seed"], "properties": {"seed": copy.deepcopy(_nullable(properties, "seed"))}}
+        greedy = {"properties": {"temperature": {"const": 0}}, "required": ["temperature"]}
+        schema.setdefault("allOf", []).append({"if": greedy, "else": seeded})
     _only(properties, "model", _model_ids(config, "llm", llm))
     context = llm.get("details", {}).get("context_tokens")
     if context is not None:  # a sum over fields, which JSON Schema has no keyword for
@@ -198,18 +204,28 @@ def _model_ids(config: AppConfig, stage: str, described: dict[str, Any]) -> list
     return sorted({described.get("model") or stage, stage, *([configured] if configured else [])})
 
 
-def _inside_doubles(schema: dict[str, Any]) -> None:
-    """An integer's bounds past 2**53 moved inward to doubles two steps inside: a validator that reads numbers as
-    doubles (many do, FastAPI's document model among them: it wrote the seed's maximum 2**64 - 1 as 1.8446744073709552e19,
-    which is 2**64) would otherwise take an integer just outside a bound for the bound itself (measured: a seed 191
-    below -2**63 passed one). The server's own range is that wide; the document's is narrower by a few parts in
-    10**16."""
-    if schema.get("type") != "integer":
+#: The integer bounds past 2**53 the contracts declare, by the double FastAPI's document model made of each (it writes
+#: every bound as a float: the seed's maximum 2**64 - 1 became 1.8446744073709552e19, which is 2**64).
+EXACT_BOUNDS = {float(bound): bound for bound in (MIN_SEED, MAX_SEED)}
+
+
+def _exact_integers(node: Any) -> None:
+    """Every integer's bounds, anywhere in the document (components, the edit form, the video bodies), as the exact
+    integers the server enforces: the seed's range is [-2**63, 2**64 - 1], inclusive, written as JSON integers (a float
+    bound past 2**53 is another number: a validator would take 2**64 for a seed). Bounds within 2**53 are exact as
+    floats and written as integers too."""
+    if isinstance(node, list):
+        for item in node:
+            _exact_integers(item)
+    if not isinstance(node, dict):
         return
-    for key, inward in (("minimum", math.inf), ("maximum", -math.inf)):
-        bound = schema.get(key)
-        if isinstance(bound, int | float) and abs(bound) > 2**53:  # FastAPI writes them as floats: past 2**53, inexact
-            schema[key] = int(math.nextafter(math.nextafter(float(bound), inward), inward))
+    if node.get("type") == "integer":
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+            bound = node.get(key)
+            if isinstance(bound, float):
+                node[key] = EXACT_BOUNDS[bound] if abs(bound) > 2**53 else int(bound)
+    for value in node.values():
+        _exact_integers(value)
 
 
 def _require(schema: dict[str, Any], name: str) -> None:
