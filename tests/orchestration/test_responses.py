@@ -7,6 +7,7 @@ from contracts.http import ImageCompletedEvent, ImagePartialEvent, ImagesRespons
 from contracts.sampling import DiffusionSamplingParams, reported_quality
 from orchestration.pipeline import ImagePlan
 from orchestration.responses import delivery, event_delivery
+from tests.openai_types import read_as_openai
 
 
 def plan(**params) -> ImagePlan:
@@ -33,15 +34,14 @@ def test_a_response_reports_the_quality_rendered_in_openais_terms_or_none(asked,
 
 
 def test_a_response_without_an_openai_quality_leaves_the_field_out_and_the_official_types_read_both():
-    types = pytest.importorskip("openai.types")
     common = {"created": 0, "data": [], "model": "m", "size": "64x64", "invariance": {}}
     left_out = ImagesResponse(**common, **delivery(plan(num_inference_steps=3))).model_dump(mode="json")
     assert "quality" not in left_out
     said = ImagesResponse(**common, **delivery(plan(quality="auto"))).model_dump(mode="json")
     assert said["quality"] == "high"
     for body in (left_out, said):
-        assert types.ImagesResponse.model_validate(body).quality == body.get("quality")
+        assert read_as_openai("images", body).quality == body.get("quality")
     event = {"b64_json": "", "created_at": 0, "size": "64x64", "image_index": 0, **event_delivery(plan(num_inference_steps=3))}
     partial = ImagePartialEvent(type="image_generation.partial_image", partial_image_index=0, **event)
-    assert types.ImageGenPartialImageEvent.model_validate(partial.model_dump(mode="json")).quality == "auto"
+    assert read_as_openai(partial.type, partial.model_dump(mode="json")).quality == "auto"
     assert "quality" in ImageCompletedEvent.model_json_schema()["properties"]
