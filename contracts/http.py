@@ -2,11 +2,11 @@
 
 Requests are strict (no coercion: `true`, `1.5`, `"1"` and `1.0` are not seeds: integers mean integers, as OpenAI's
 published schemas and every official client read them; a form's text "1" is the integer its JSON spelling is, "1.0"
-no integer), bounded in every field and refuse unknown fields, so every client mistake is a 400 that names the field. OpenAI fields this server cannot honour
-are refused by name with the reason, never silently ignored. The ingress hands these models to FastAPI as typed
-bodies, so `/openapi.json` documents them; every bound comes from `contracts.sampling`. Before a body is parsed,
-`BODY_RULES` refuse it by its content type (415) and its size (413), and `decode_json` by its encoding or a
-duplicate key (400).
+no integer), bounded in every field and refuse unknown fields, so every client mistake is a 400 that names the
+field. OpenAI fields this server cannot honour are refused by name with the reason, never silently ignored. The
+ingress hands these models to FastAPI as typed bodies, so `/openapi.json` documents them; every bound comes from
+`contracts.sampling`. Before a body is parsed, `BODY_RULES` refuse it by its content type (415) and its size (413),
+and `decode_json` by its encoding or a duplicate key (400).
 """
 
 from __future__ import annotations
