@@ -9,7 +9,8 @@ adapters and schedulers a replica serves, the size multiple and the fewest steps
 `true_cfg_scale` and per-sample fields (`cache`, `lora`), and step caching's measured default threshold. Sizes carry
 `format: "image-size"` with `x-max-pixels` and `x-size-multiple` (a pattern cannot say "width x height at most N
 pixels"); an edit's image its `x-image-size` (the sides it may have: it renders at them). Integer bounds are the exact
-integers the server enforces (the seed's up to 2**64 - 1). The server-sent events of a streamed request are declared
+integers the server enforces (the seed's up to 2**64 - 1), and `info.x-json-integers` says that an integer field takes
+a JSON integer only (JSON Schema's `integer` takes 1.0; this server refuses it). The server-sent events of a streamed request are declared
 with OpenAPI 3.2's `itemSchema`.
 """
 
@@ -22,9 +23,9 @@ from typing import Any, cast
 from pydantic import BaseModel
 
 from contracts.http import ChatCompletionChunk, ImageCompletedEvent, ImagePartialEvent
-from contracts.invariance import STAGES
 from contracts.sampling import MAX_INFERENCE_STEPS
 from contracts.seeds import MAX_SEED, MIN_SEED
+from contracts.videos import MAX_SECONDS
 
 from .config import AppConfig
 from .health import HealthProbe
@@ -48,22 +49,30 @@ class ServedDocument:
         running = await asyncio.to_thread(probe.replica_counts)
         described = {
             stage: (await probe.describe(stage)).model_dump(mode="json")
-            for stage in STAGES
+            for stage in probe.handles  # the stages: llm, diffusion, and video where the app serves videos
             if running[stage].get("running") != 0
         }
         document = served_schema(
-            copy.deepcopy(generated), self.config, described.get("diffusion", {}), described.get("llm", {})
+            copy.deepcopy(generated),
+            self.config,
+            described.get("diffusion", {}),
+            described.get("llm", {}),
+            described.get("video", {}),
         )
-        if len(described) == len(STAGES):
+        if len(described) == len(probe.handles):
             self._made = document
         return document
 
 
 def served_schema(
-    document: dict[str, Any], config: AppConfig, diffusion: dict[str, Any], llm: dict[str, Any]
+    document: dict[str, Any],
+    config: AppConfig,
+    diffusion: dict[str, Any],
+    llm: dict[str, Any],
+    video: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`document` (FastAPI's) narrowed to this deployment; `diffusion` and `llm`: each stage's description as /health
-    reports it (`model`, `details`)."""
+    """`document` (FastAPI's) narrowed to this deployment; `diffusion`, `llm` and `video`: each stage's description as
+    /health reports it (`model`, `details`; empty: not described yet, its part as the config says)."""
     components = document.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in _image_schemas(document):
         _narrow_images(schema, config, diffusion, llm, require_seed=name != "edit-form")
@@ -73,9 +82,11 @@ def served_schema(
     chat = components.get("ChatCompletionRequest")
     if chat is not None:
         _narrow_chat(chat, config, llm)
-    _narrow_videos(document, config)
+    _narrow_videos(document, config, video or {}, llm)
     _declare_events(document, components)
     _exact_integers(document)
+    # What JSON Schema cannot say (its `integer` takes 1.0): an integer field takes a JSON integer only.
+    document.setdefault("info", {})["x-json-integers"] = True
     return document
 
 
@@ -161,18 +172,56 @@ def _narrow_images(
     _rewritten_prompt_fits(schema, llm)
 
 
-def _narrow_videos(document: dict[str, Any], config: AppConfig) -> None:
-    """A video body (JSON and form alike): its seed required under the video stage's invariance, its model, steps and
-    frames within the video stage's config (the model's own frame rule, Wan's 4k + 1, is the stage's to say)."""
+def _narrow_videos(document: dict[str, Any], config: AppConfig, described: dict[str, Any], llm: dict[str, Any]) -> None:
+    """A video body (JSON and form alike): its seed required under the video stage's invariance, its model, steps,
+    size and frames within the video stage's config and its model's rules (as the stage describes them: the size
+    multiple, the fewest steps, the frame counts its VAE makes, Wan's 4k + 1), `seconds` only where they make such a
+    count within the limit, and, given both, `num_frames` what `seconds` make (`VideoCreateRequest.frames`)."""
     body = document["paths"].get("/v1/videos", {}).get("post", {}).get("requestBody", {})
+    video, rules = config.video, described.get("details", {}).get("requests", {})
+    content = document["paths"].get("/v1/videos/{video_id}/content", {}).get("get", {})
+    for parameter in content.get("parameters", []):
+        if parameter["name"] == "variant":  # a video's content is its MP4: no thumbnail, no spritesheet
+            parameter["schema"]["enum"] = ["video"]
     for content in body.get("content", {}).values():
-        schema, video = content["schema"], config.video
+        schema = content["schema"]
+        properties = schema["properties"]
         assert video is not None  # the routes exist only where the app serves videos
         if video.batch_invariant:
             _require(schema, "seed")
-        _only(schema["properties"], "model", [cast(str, video.model), "video"])
-        _nullable(schema["properties"], "num_inference_steps")["maximum"] = video.max_inference_steps
-        _nullable(schema["properties"], "num_frames")["maximum"] = video.max_frames
+        _only(properties, "model", [cast(str, video.model), "video"])
+        steps = _nullable(properties, "num_inference_steps")
+        steps.update(minimum=rules.get("min_steps", 1), maximum=video.max_inference_steps)
+        size = _nullable(properties, "size")
+        size.update(
+            {"format": "image-size", "x-max-pixels": video.max_pixels, "x-size-multiple": rules.get("size_multiple", 8)}
+        )
+        step = rules.get("frame_step") or 1
+        counts = [frames for frames in range(1, video.max_frames + 1) if (frames - 1) % step == 0]
+        _nullable(properties, "num_frames").update(enum=counts)
+        _whole_seconds(schema, [s for s in range(1, MAX_SECONDS + 1) if s * video.fps + 1 in counts], video.fps)
+        _rewritten_prompt_fits(schema, llm)
+
+
+def _whole_seconds(schema: dict[str, Any], seconds: list[int], fps: int) -> None:
+    """`seconds` (a number, or OpenAI's string) only as the given counts, and `num_frames` beside it what they make."""
+    if not seconds:
+        schema["properties"].pop("seconds", None)  # none makes a count served here: refused as an unknown field
+        return
+    for branch in schema["properties"]["seconds"].get("anyOf", []):
+        if branch.get("type") == "integer":
+            branch["enum"] = seconds
+        elif branch.get("type") == "string":
+            branch.pop("pattern", None)
+            branch["enum"] = [str(s) for s in seconds]
+    made = [
+        {
+            "if": {"properties": {"seconds": {"enum": [s, str(s)]}}, "required": ["seconds"]},
+            "then": {"properties": {"num_frames": {"enum": [s * fps + 1, None]}}},
+        }
+        for s in seconds
+    ]
+    schema.setdefault("allOf", []).extend(made)
 
 
 def _narrow_chat(schema: dict[str, Any], config: AppConfig, llm: dict[str, Any]) -> None:

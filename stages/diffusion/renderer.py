@@ -401,6 +401,8 @@ def request_rules(renderer: DiffusionRenderer, step_engine: bool) -> dict[str, A
         "per_sample": per_sample,
         # Step caching's threshold where a request gives none (None: a request must give one).
         "cache_threshold": renderer.family.cache_threshold if per_sample and renderer.family else None,
+        # A video model's frame counts: frame_step x k + 1 (None: not a video model).
+        "frame_step": getattr(renderer.family, "frame_step", None),
     }
 
 

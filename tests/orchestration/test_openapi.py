@@ -121,3 +121,32 @@ def test_a_405_allows_every_method_of_the_path_options_included():
             assert refused.status_code == 405 and refused.headers["Allow"] == "DELETE, GET", method
         assert client.options("/v1/videos").headers["Allow"] == "POST"
         assert client.get("/v1/images/generations").headers["Allow"] == "POST"
+
+
+#: The video stage as `describe()` says it: the tiny Wan's size multiple and frame step (its VAE: 4k + 1 frames).
+VIDEO = {"model": "omniserve/tiny-wan-video", "details": {"requests": {"size_multiple": 16, "min_steps": 1,
+                                                                       "frame_step": 4}}}
+
+
+@pytest.mark.parametrize("content", ["application/json", "multipart/form-data"])
+def test_a_video_body_states_the_frames_seconds_and_sizes_the_server_takes(content):
+    jsonschema = pytest.importorskip("jsonschema")
+    document = served_schema(generated(), AppConfig.model_validate(BOTH_ON), DIFFUSION, {}, VIDEO)
+    schema = document["paths"]["/v1/videos"]["post"]["requestBody"]["content"][content]["schema"]
+    valid = jsonschema.Draft202012Validator(schema).is_valid
+    body = {"prompt": "a fox", "seed": 1}
+    for good in ({}, {"seconds": "2"}, {"seconds": 4}, {"num_frames": 33}, {"seconds": 2, "num_frames": 17},
+                 {"size": "64x64"}):
+        assert valid({**body, **good}), good
+    # Not 4k + 1; past max_frames (33: 4 s at 8 fps); seconds and frames disagreeing; an unserved model; no seed.
+    for bad in ({"num_frames": 10}, {"num_frames": 37}, {"seconds": "5"}, {"seconds": 9},
+                {"seconds": 2, "num_frames": 9}, {"model": "sora-2"}, {"seed": None}):
+        assert not valid({**body, **bad}), bad
+    size = next(s for s in schema["properties"]["size"]["anyOf"] if s.get("type") == "string")
+    assert (size["format"], size["x-size-multiple"]) == ("image-size", 16)
+    variant = document["paths"]["/v1/videos/{video_id}/content"]["get"]["parameters"][-1]
+    assert variant["name"] == "variant" and variant["schema"]["enum"] == ["video"]  # the MP4, nothing else
+
+
+def test_the_document_says_integer_fields_take_json_integers_only():
+    assert served()["info"]["x-json-integers"] is True  # JSON Schema's `integer` takes 1.0; the server refuses it

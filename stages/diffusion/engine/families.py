@@ -757,10 +757,15 @@ class WanFamily(Family):
         another): the zero padding is attended to, so it must be the pipeline's."""
         return inspect.signature(type(self.pipe).__call__).parameters["max_sequence_length"].default
 
+    @property
+    def frame_step(self) -> int:
+        """A clip's frames are frame_step x k + 1: its VAE compresses time frame_step times after the first frame."""
+        return int(self.pipe.vae_scale_factor_temporal)
+
     def frames(self, params: DiffusionSamplingParams) -> int:
         """The frames `params` ask for (None: DEFAULT_FRAMES), refused (a 400 naming `num_frames`) where the VAE
         cannot make them."""
-        frames, step = params.num_frames or self.DEFAULT_FRAMES, self.pipe.vae_scale_factor_temporal
+        frames, step = params.num_frames or self.DEFAULT_FRAMES, self.frame_step
         if (frames - 1) % step:
             raise InvalidRequestError(
                 f"num_frames must be {step}k + 1 for this model (its VAE compresses time {step}x), got {frames}",
