@@ -209,6 +209,16 @@ def test_image_request_unknown_field_is_named_in_the_message():
     assert error.message == "unknown field 'colour'" and error.code == "extra_forbidden"
 
 
+@pytest.mark.parametrize("model,body,param", [
+    (ImageGenerationRequest, {**OK, "none": 1}, "none"),
+    (ImageGenerationRequest, {**OK, "int": 1}, "int"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "str": 1}]}, "messages.0.str"),
+])
+def test_an_unknown_field_named_like_a_type_is_named_too(model, body, param):
+    error = refused(model, body)  # such names are also pydantic's union tags, which a location otherwise drops
+    assert error.param == param and error.message == f"unknown field {param!r}"
+
+
 @pytest.mark.parametrize("seed", [MIN_SEED, -1, 0, 2**53, 2**63, MAX_SEED])
 def test_image_request_accepts_every_seed_in_range_exactly(seed):
     request = parse_body(ImageGenerationRequest, json.dumps({**OK, "seed": seed}))
