@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from typing import Annotated, Final, Literal
 from xml.sax.saxutils import escape
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from .provenance import XMP_NAMESPACE, read_chunks
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 #: OpenAI's `output_compression`, 0-100, for JPEG and WebP: passed to the encoder as its quality (100, OpenAI's
 #: default: the least loss).
-Compression = Annotated[int, Field(ge=0, le=100)]
+Compression = Annotated[StrictInt, Field(ge=0, le=100)]
 DEFAULT_COMPRESSION: Final = 100
 MEDIA_TYPES: Final = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 

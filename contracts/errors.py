@@ -106,7 +106,9 @@ def _location(error: Mapping[str, Any], root: tuple[str, ...]) -> list[str]:
     loc = [str(part) for part in error.get("loc", ())]
     if tuple(loc[: len(root)]) == root:
         loc = loc[len(root) :]
-    return [part for part in loc if not _UNION_TAG.match(part)]
+    # An unknown field's own name ends its location, whatever it is: a client's field "int" or "none" is no union tag.
+    named = len(loc) - 1 if error.get("type") == "extra_forbidden" else len(loc)
+    return [part for i, part in enumerate(loc) if i >= named or not _UNION_TAG.match(part)]
 
 
 def _most_telling(errors: Sequence[Mapping[str, Any]], root: tuple[str, ...]) -> Mapping[str, Any]:

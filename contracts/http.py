@@ -1,12 +1,12 @@
 """The HTTP API's request and response schemas (OpenAI Images and Chat Completions, plus extensions).
 
-Requests are strict (no coercion: `true`, `1.5` and `"1"` are not seeds; `1.0` is the integer 1, as JSON Schema
-reads it, within 2**53), bounded in every field and refuse
-unknown fields, so every client mistake is a 400 that names the field. OpenAI fields this server cannot honour
-are refused by name with the reason, never silently ignored. The ingress hands these models to FastAPI as typed
-bodies, so `/openapi.json` documents them; every bound comes from `contracts.sampling`. Before a body is parsed,
-`BODY_RULES` refuse it by its content type (415) and its size (413), and `decode_json` by its encoding or a
-duplicate key (400).
+Requests are strict (no coercion: `true`, `1.5`, `"1"` and `1.0` are not seeds: integers mean integers, as OpenAI's
+published schemas and every official client read them; a form's text "1" is the integer its JSON spelling is, "1.0"
+no integer), bounded in every field and refuse unknown fields, so every client mistake is a 400 that names the
+field. OpenAI fields this server cannot honour are refused by name with the reason, never silently ignored. The
+ingress hands these models to FastAPI as typed bodies, so `/openapi.json` documents them; every bound comes from
+`contracts.sampling`. Before a body is parsed, `BODY_RULES` refuse it by its content type (415) and its size (413),
+and `decode_json` by its encoding or a duplicate key (400).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictInt,
     StrictStr,
     ValidationError,
     ValidationInfo,
@@ -55,8 +56,8 @@ from .sampling import (
     PartialImages,
     Penalty,
     Prompt,
-    Quality,
     RepetitionPenalty,
+    ReportedQuality,
     StopList,
     StopText,
     Temperature,
@@ -68,6 +69,7 @@ from .sampling import (
 from .seeds import Seed
 
 MAX_IMAGES = 8
+MiB = 2**20
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits only (`\d` would take any script's digits)
 #: What a request's `size` may look like (the sides' bounds are checked by `parse_size`).
 SIZE_PATTERN = r"^([0-9]{1,5}x[0-9]{1,5}|auto)$"
@@ -140,13 +142,12 @@ class _Request(BaseModel):
                 raise PydanticCustomError(
                     "unsupported_field", "{name} is not supported: {why}", {"name": name, "why": why}
                 )
-        integers = _integer_fields(cls)
-        return {k: _whole(v) if k in integers else v for k, v in data.items() if k not in cls.UNSUPPORTED}
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
     @classmethod
     def from_form(cls, fields: Mapping[str, str | bytes]) -> Self:
         """Validate form fields. A non-text field's text is read as its JSON value ("4", "4.5", "true"; empty: null),
-        so each field has exactly the type and bounds it has in a JSON body ("4.5" is no `n`)."""
+        so each field has exactly the type and bounds it has in a JSON body ("4" is an `n`, "4.0" and "4.5" are not)."""
         text = _text_fields(cast(type[BaseModel], cls))  # its dynamic base hides that a class is hashable
         data = {
             name: value if name in text or not isinstance(value, str) else _json_value(value)
@@ -206,7 +207,7 @@ class _OpenAIImageRequest(_Request):
 
     prompt: Prompt
     model: Name | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_IMAGES)] | None = None
     # "<width>x<height>" (multiples of 8 within the server's pixel limit) or "auto": the model's default size.
     size: Annotated[StrictStr, Field(pattern=SIZE_PATTERN)] | None = None
     # "url": a link to the app's image store (GET /v1/images/{id}), kept the ingress's `image_url_ttl_s` seconds.
@@ -309,30 +310,15 @@ class ImageEditRequest(
         "latents": "an edit's initial latents come from its image",
     }
 
-    image: bytes = Field(description="the image to edit: PNG, JPEG or WebP, at most 16 MiB and 4096x4096")
-
-
-#: A JSON number with no fraction is an integer whatever its spelling (`7.0` is `7`, as JSON Schema reads it); as a
-#: float it is exact only up to 2**53, so past that only the integer spelling is taken (a float there is refused).
-EXACT_WHOLE_FLOAT = 2**53
-
-
-def _whole(value: Any) -> Any:
-    """An integer field's value: a whole float within EXACT_WHOLE_FLOAT as the integer it spells; the rest as it is
-    (strict validation refuses a bool, a string, a fraction)."""
-    if type(value) is float and value.is_integer() and abs(value) <= EXACT_WHOLE_FLOAT:
-        return int(value)
-    return value
-
-
-@functools.cache
-def _integer_fields(model: type[BaseModel]) -> frozenset[str]:
-    """The fields of `model` that take an integer (and no other number)."""
-
-    def takes_integer(schema: dict[str, Any]) -> bool:
-        return any(s.get("type") == "integer" for s in schema.get("anyOf", [schema]))
-
-    return frozenset(name for name, schema in model.model_json_schema()["properties"].items() if takes_integer(schema))
+    image: bytes = Field(
+        description=f"the image to edit: PNG, JPEG or WebP, at most {MAX_IMAGE_BYTES // MiB} MiB; rendered at its own "
+        f"size, so its width and height are multiples of {SIDE_MULTIPLE} in [{MIN_SIDE}, {MAX_SIDE}] (`x-image-size`; "
+        "a deployment's document narrows the multiple to its model's and adds its pixel limit)",
+        json_schema_extra={
+            "x-max-bytes": MAX_IMAGE_BYTES,
+            "x-image-size": {"multipleOf": SIDE_MULTIPLE, "minimum": MIN_SIDE, "maximum": MAX_SIDE},
+        },
+    )
 
 
 @functools.cache
@@ -396,7 +382,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: MaxTokens | None = None
     seed: Seed | None = None
     stop: StopText | StopList | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None  # with stream=true only
     logprobs: StrictBool | None = None
@@ -479,7 +465,9 @@ class ImagesResponse(BaseModel):
     data: list[ImageData]
     model: str
     size: str
-    quality: Quality = "auto"
+    # What the images were rendered at, in OpenAI's terms (`reported_quality`); left out where the request gave its
+    # own num_inference_steps (OpenAI's schema has no term for a step count, and no "auto" in a response).
+    quality: ReportedQuality | None = Field(default=None, exclude_if=_absent)
     output_format: OutputFormat = "png"
     invariance: dict[str, StageInvariance]
 
@@ -491,7 +479,9 @@ class _ImageEvent(BaseModel):
     b64_json: str
     created_at: int
     size: str  # "<width>x<height>"
-    quality: Quality = "auto"
+    # `reported_quality`, or "auto" where there is no OpenAI term for what was rendered (the request gave its steps):
+    # OpenAI's event schemas require the field and take "auto" there.
+    quality: ReportedQuality | Literal["auto"] = "auto"
     background: Literal["opaque"] = "opaque"
     output_format: OutputFormat = "png"
     # Extension: which of the request's n images the event is of (OpenAI's events have none: they stream n=1).
@@ -638,7 +628,6 @@ class ErrorResponse(BaseModel):
 
 # --- request bodies: their content types and size limits, and strict JSON --------------------------------
 
-MiB = 2**20
 #: A JSON request without latents: every other field at its bound fits well within it.
 MAX_JSON_BODY_BYTES = MiB
 #: The most a latents value takes as JSON text, its separator included ("-1.2345678901234567e-100, ").

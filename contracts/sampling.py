@@ -5,7 +5,8 @@ pickling to another process), so these models refuse one and ask for `seed` inst
 Models are frozen, strict (no silent coercion: `True`, `1.0` and `"1"` are not seeds),
 forbid unknown fields, and round-trip exactly through JSON.
 
-Every bound on a sampling field is written once, as a type below; the HTTP schemas use the same types.
+Every bound on a sampling field is written once, as a type below; the HTTP schemas use the same types. Every integer
+type is a StrictInt: a JSON `1.0` is refused as no integer (a 400 naming the field), whatever the model's strictness.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictInt,
     StrictStr,
     create_model,
     model_validator,
@@ -116,7 +118,7 @@ def _bounded_nesting(value: Any) -> Any:
 
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
-PartialImages = Annotated[int, Field(ge=0, le=MAX_PARTIAL_IMAGES)]
+PartialImages = Annotated[StrictInt, Field(ge=0, le=MAX_PARTIAL_IMAGES)]
 PromptText = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
 Prompt = Annotated[
     PromptText,
@@ -124,10 +126,10 @@ Prompt = Annotated[
     Field(json_schema_extra=lambda schema: schema.update(pattern=visible_text_pattern())),  # the same rule, declared
 ]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
-Steps = Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)]
-Frames = Annotated[int, Field(ge=1, le=MAX_FRAMES)]
+Steps = Annotated[StrictInt, Field(ge=1, le=MAX_INFERENCE_STEPS)]
+Frames = Annotated[StrictInt, Field(ge=1, le=MAX_FRAMES)]
 GuidanceScale = Annotated[Finite, Field(ge=0.0, le=100.0)]
-Side = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
+Side = Annotated[StrictInt, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIDE_MULTIPLE)]
 # Nested lists of floats: the serializable form of a latents tensor.
 NestedFloats = TypeAliasType("NestedFloats", "list[Annotated[float, Field(allow_inf_nan=False)]] | list[NestedFloats]")
 Latents = Annotated[NestedFloats, BeforeValidator(_bounded_nesting)]
@@ -152,6 +154,21 @@ def quality_steps(quality: str, default_steps: int) -> int:
     return max(1, round(default_steps * QUALITY_SHARES[quality]))
 
 
+#: The qualities a response reports, in OpenAI's terms: its published ImagesResponse schema takes these (not "auto",
+#: nor DALL-E's "standard" and "hd").
+ReportedQuality = Literal["low", "medium", "high"]
+
+
+def reported_quality(quality: str | None, num_inference_steps: int | None) -> ReportedQuality | None:
+    """What an image was rendered at, in OpenAI's terms: the term of the same share of the default steps as the
+    request's quality ("auto", or no quality at all, renders the default steps: "high"; "standard": "medium"; "hd":
+    "high"). None where the request gave its own `num_inference_steps`: no OpenAI term names a step count."""
+    if num_inference_steps is not None:
+        return None
+    share = QUALITY_SHARES[quality or "auto"]
+    return next(term for term in get_args(ReportedQuality) if QUALITY_SHARES[term] == share)
+
+
 #: LoRA adapters one request may compose (applied in the order given), and the bounds of a scale.
 MAX_LORAS = 4
 LoraName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -160,13 +177,13 @@ Sha256 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
 
 Temperature = Annotated[Finite, Field(ge=0.0, le=2.0)]
 TopP = Annotated[Finite, Field(gt=0.0, le=1.0)]
-TopK = Annotated[int, Field(ge=1, le=MAX_TOP_K)]
+TopK = Annotated[StrictInt, Field(ge=1, le=MAX_TOP_K)]
 MinP = Annotated[Finite, Field(ge=0.0, le=1.0)]
-MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
-MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)]
+MinTokens = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)]
 StopText = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]
-Logprobs = Annotated[int, Field(ge=0, le=20)]
+Logprobs = Annotated[StrictInt, Field(ge=0, le=20)]
 Penalty = Annotated[Finite, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[Finite, Field(gt=0.0, le=2.0)]
 
@@ -261,12 +278,8 @@ MAX_CACHE_THRESHOLD = 10.0
 
 class StepCache(
     Contract,
-    json_schema_extra={  # `_threshold_iff_cached`, declared
+    json_schema_extra={  # `_no_threshold_when_off`, declared
         "allOf": [
-            {
-                "if": {"properties": {"method": {"const": "teacache"}}},
-                "then": {"required": ["threshold"], "properties": {"threshold": {"type": "number"}}},
-            },
             {
                 "if": {"properties": {"method": {"const": "off"}}},
                 "then": {"properties": {"threshold": {"type": "null"}}},
@@ -277,16 +290,20 @@ class StepCache(
     """Per-sample step caching (an extension; stages.diffusion.engine.step_cache): TeaCache's rule, decided for each
     sample from its own values alone, so a cached sample's bits never depend on its neighbours. "teacache": the
     relative L1 change of the sample's denoiser input is accumulated step by step; while it stays under `threshold`,
-    the sample's last prediction is reused and its rows stay out of the denoiser call. "off": every step computed
-    (overrides a deployment's default)."""
+    the sample's last prediction is reused and its rows stay out of the denoiser call. Without a threshold, the one
+    measured for the model's family (`Family.cache_threshold`: 0.2 for SD's UNet and the tiny FLUX DiT), which the
+    replica fills in, so an image's record holds the threshold it ran with; a family without a measurement refuses
+    it. "off": every step computed (overrides a deployment's default)."""
 
     method: Literal["teacache", "off"]
     threshold: Annotated[Finite, Field(gt=0.0, le=MAX_CACHE_THRESHOLD)] | None = None
 
     @model_validator(mode="after")
-    def _threshold_iff_cached(self) -> Self:
-        if (self.method == "teacache") != (self.threshold is not None):
-            raise PydanticCustomError("cache_threshold", "give a threshold with method 'teacache', and none with 'off'")
+    def _no_threshold_when_off(self) -> Self:
+        if self.method == "off" and self.threshold is not None:
+            raise PydanticCustomError(
+                "cache_threshold", "a threshold goes with method 'teacache' only, none with 'off'"
+            )
         return self
 
     @property

@@ -15,13 +15,14 @@ import hashlib
 import secrets
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 # The range torch.Generator.manual_seed accepts (it takes int64 and uint64 values).
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
-#: A seed as every contract types it (strict models: never a bool, float or string).
-Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
+#: A seed as every contract types it: an integer, never a bool, a string or a float (`7.0` included: integers mean
+#: integers, in JSON and in every model whatever its strictness).
+Seed = Annotated[StrictInt, Field(ge=MIN_SEED, le=MAX_SEED)]
 
 #: Derived and server-picked seeds stay below 2**53: JSON numbers that every client parses exactly.
 SAFE_SEED_BITS = 53

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from .errors import InvalidRequestError
 from .http import SIZE_PATTERN, _present, _Request, requested_size
@@ -29,7 +29,7 @@ from .sampling import DiffusionSamplingParams, Name, Prompt, optional_model
 VIDEO_FIELDS = ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "num_frames")
 MAX_SECONDS = 60
 #: OpenAI's `seconds` is a string ("4"); a JSON client may send the number.
-Seconds = Annotated[int, Field(ge=1, le=MAX_SECONDS)] | Annotated[StrictStr, Field(pattern=r"^[1-9][0-9]?$")]
+Seconds = Annotated[StrictInt, Field(ge=1, le=MAX_SECONDS)] | Annotated[StrictStr, Field(pattern=r"^[1-9][0-9]?$")]
 
 
 class _OpenAIVideoRequest(_Request):

@@ -13,10 +13,10 @@ line; <kind> is `image_generation` (generations) or `image_edit` (edits):
 
     event: <kind>.partial_image       up to partial_images per image (fewer if it has too few steps), in order
     data: {"type": "<kind>.partial_image", "b64_json": "<PNG preview>", "created_at": 1767225600, "size": "64x64",
-           "quality": "auto", "background": "opaque", "output_format": "png", "partial_image_index": 0,
+           "quality": "high", "background": "opaque", "output_format": "png", "partial_image_index": 0,
            "image_index": 0}
     event: <kind>.completed           one per image: the bytes a non-streamed request returns for it
-    data: {"type": "<kind>.completed", "b64_json": "<PNG>", "created_at": ..., "size": "64x64", "quality": "auto",
+    data: {"type": "<kind>.completed", "b64_json": "<PNG>", "created_at": ..., "size": "64x64", "quality": "high",
            "background": "opaque", "output_format": "png", "image_index": 0, "revised_prompt": "...", "seed": 7,
            "sha256": "<hex of the PNG>", "replica": "...", "batch_size": 1, "steps_co_batched": 0,
            "usage": {"input_tokens": 12, "input_tokens_details": {"image_tokens": 0, "text_tokens": 12},
@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from contracts.encoding import MEDIA_TYPES
 from contracts.errors import InvalidRequestError, invalid_request
@@ -354,7 +355,19 @@ def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any], drain: Dr
     @api.exception_handler(StarletteHTTPException)
     async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown paths, wrong methods, unreadable bodies: same body shape all the same.
+        if exc.status_code == 405:
+            exc.headers = {**(exc.headers or {}), "Allow": allowed_methods(api, request)}
         return error_response(http_error(exc))
+
+
+def allowed_methods(api: FastAPI, request: Request) -> str:
+    """What a 405's `Allow` says: every method of every route of the request's path (Starlette names the first
+    route's only: `OPTIONS /v1/videos/{id}` was told GET, though DELETE is served there too)."""
+    methods: set[str] = set()
+    for route in api.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
 
 
 #: FastAPI's own /openapi.json, /docs and /redoc off: `_serve_documents` serves the deployment's.
@@ -444,7 +457,8 @@ def _serve_documents(api: FastAPI, ingress: Ingress) -> None:
 
 DESCRIPTION = (
     "Reproducible two-stage (LLM -> diffusion) generation; OpenAI-compatible Images, Videos (where served) and Chat "
-    "routes."
+    "routes. An integer field takes a JSON integer only: `1.0` is refused as `1.5` is (JSON Schema's `integer` would "
+    "take it; OpenAI's clients and this server do not)."
 )
 
 

@@ -2,26 +2,30 @@
 what this deployment enforces, so that a request the document calls valid is served and one it calls invalid is
 refused (a schema-driven fuzzer checks both: tests/orchestration/test_schema_fuzz.py).
 
-From the app's config: `seed` required under a stage's invariance (the seed contract), the inputs the contract forbids
-then (`generator_device`, `latents`, `sigmas`) left out, the step and pixel limits. From the stages themselves (their
-`describe()`, asked once): the model ids a request may name, the adapters and schedulers a replica serves, the size
-multiple and the fewest steps of its model, whether it takes `true_cfg_scale` and per-sample fields (`cache`, `lora`).
-Sizes carry `format: "image-size"` with `x-max-pixels` and `x-size-multiple` (a pattern cannot say "width x height at
-most N pixels"). The server-sent events of a streamed request are declared with OpenAPI 3.2's `itemSchema`.
+From the app's config: `seed` required under a stage's invariance (the seed contract: for chat, only where it samples,
+temperature not 0), the inputs the contract forbids then (`generator_device`, `latents`, `sigmas`) left out, the step
+and pixel limits. From the stages themselves (their `describe()`, asked once): the model ids a request may name, the
+adapters and schedulers a replica serves, the size multiple and the fewest steps of its model, whether it takes
+`true_cfg_scale` and per-sample fields (`cache`, `lora`), and step caching's measured default threshold. Sizes carry
+`format: "image-size"` with `x-max-pixels` and `x-size-multiple` (a pattern cannot say "width x height at most N
+pixels"); an edit's image its `x-image-size` (the sides it may have: it renders at them). Integer bounds are the exact
+integers the server enforces (the seed's up to 2**64 - 1), and `info.x-json-integers` says that an integer field takes
+a JSON integer only (JSON Schema's `integer` takes 1.0; this server refuses it). The server-sent events of a streamed request are declared
+with OpenAPI 3.2's `itemSchema`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import math
 from typing import Any, cast
 
 from pydantic import BaseModel
 
 from contracts.http import ChatCompletionChunk, ImageCompletedEvent, ImagePartialEvent
-from contracts.invariance import STAGES
 from contracts.sampling import MAX_INFERENCE_STEPS
+from contracts.seeds import MAX_SEED, MIN_SEED
+from contracts.videos import MAX_SECONDS
 
 from .config import AppConfig
 from .health import HealthProbe
@@ -45,35 +49,44 @@ class ServedDocument:
         running = await asyncio.to_thread(probe.replica_counts)
         described = {
             stage: (await probe.describe(stage)).model_dump(mode="json")
-            for stage in STAGES
+            for stage in probe.handles  # the stages: llm, diffusion, and video where the app serves videos
             if running[stage].get("running") != 0
         }
         document = served_schema(
-            copy.deepcopy(generated), self.config, described.get("diffusion", {}), described.get("llm", {})
+            copy.deepcopy(generated),
+            self.config,
+            described.get("diffusion", {}),
+            described.get("llm", {}),
+            described.get("video", {}),
         )
-        if len(described) == len(STAGES):
+        if len(described) == len(probe.handles):
             self._made = document
         return document
 
 
 def served_schema(
-    document: dict[str, Any], config: AppConfig, diffusion: dict[str, Any], llm: dict[str, Any]
+    document: dict[str, Any],
+    config: AppConfig,
+    diffusion: dict[str, Any],
+    llm: dict[str, Any],
+    video: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`document` (FastAPI's) narrowed to this deployment; `diffusion` and `llm`: each stage's description as /health
-    reports it (`model`, `details`)."""
+    """`document` (FastAPI's) narrowed to this deployment; `diffusion`, `llm` and `video`: each stage's description as
+    /health reports it (`model`, `details`; empty: not described yet, its part as the config says)."""
     components = document.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in _image_schemas(document):
         _narrow_images(schema, config, diffusion, llm, require_seed=name != "edit-form")
     loras = diffusion.get("details", {}).get("loras", [])
     _adapters(components, loras)
+    _step_cache(components, diffusion.get("details", {}).get("requests", {}))
     chat = components.get("ChatCompletionRequest")
     if chat is not None:
         _narrow_chat(chat, config, llm)
-    _narrow_videos(document, config)
+    _narrow_videos(document, config, video or {}, llm)
     _declare_events(document, components)
-    for schema in components.values():
-        for field in schema.get("properties", {}).values():
-            _inside_doubles(_nullable({"f": field}, "f"))
+    _exact_integers(document)
+    # What JSON Schema cannot say (its `integer` takes 1.0): an integer field takes a JSON integer only.
+    document.setdefault("info", {})["x-json-integers"] = True
     return document
 
 
@@ -95,6 +108,24 @@ def _adapters(components: dict[str, Any], loras: list[str]) -> None:
     if choice is not None:
         choice["properties"]["name"] = {"type": "string", "enum": list(loras)}
         choice["properties"].pop("sha256", None)
+
+
+def _step_cache(components: dict[str, Any], rules: dict[str, Any]) -> None:
+    """A TeaCache request's threshold: left out, the one measured for the model's family (`cache_threshold`, as the
+    stage reports it); required where the family has none."""
+    schema = components.get("StepCache")
+    if schema is None:
+        return
+    measured = rules.get("cache_threshold")
+    if measured is None:
+        required = {"required": ["threshold"], "properties": {"threshold": {"type": "number"}}}
+        schema.setdefault("allOf", []).append(
+            {"if": {"properties": {"method": {"const": "teacache"}}}, "then": required}
+        )
+    else:
+        schema["properties"]["threshold"]["description"] = (
+            f"left out with 'teacache': {measured}, measured for this model"
+        )
 
 
 def _rewritten_prompt_fits(schema: dict[str, Any], llm: dict[str, Any]) -> None:
@@ -126,6 +157,9 @@ def _narrow_images(
     size.update(
         {"format": "image-size", "x-max-pixels": limits.max_pixels, "x-size-multiple": rules.get("size_multiple", 8)}
     )
+    image = properties.get("image")
+    if image is not None:  # an edit renders at its image's size: the same multiple and pixel limit as `size`
+        image["x-image-size"].update(multipleOf=size["x-size-multiple"], **{"x-max-pixels": limits.max_pixels})
     _only(properties, "model", _model_ids(config, "diffusion", diffusion))
     if not rules.get("true_cfg", False):
         properties.pop("true_cfg_scale", None)
@@ -138,24 +172,64 @@ def _narrow_images(
     _rewritten_prompt_fits(schema, llm)
 
 
-def _narrow_videos(document: dict[str, Any], config: AppConfig) -> None:
-    """A video body (JSON and form alike): its seed required under the video stage's invariance, its model, steps and
-    frames within the video stage's config (the model's own frame rule, Wan's 4k + 1, is the stage's to say)."""
+def _narrow_videos(document: dict[str, Any], config: AppConfig, described: dict[str, Any], llm: dict[str, Any]) -> None:
+    """A video body (JSON and form alike): its seed required under the video stage's invariance, its model, steps,
+    size and frames within the video stage's config and its model's rules (as the stage describes them: the size
+    multiple, the fewest steps, the frame counts its VAE makes, Wan's 4k + 1), `seconds` only where they make such a
+    count within the limit, and, given both, `num_frames` what `seconds` make (`VideoCreateRequest.frames`)."""
     body = document["paths"].get("/v1/videos", {}).get("post", {}).get("requestBody", {})
+    video, rules = config.video, described.get("details", {}).get("requests", {})
+    content = document["paths"].get("/v1/videos/{video_id}/content", {}).get("get", {})
+    for parameter in content.get("parameters", []):
+        if parameter["name"] == "variant":  # a video's content is its MP4: no thumbnail, no spritesheet
+            parameter["schema"]["enum"] = ["video"]
     for content in body.get("content", {}).values():
-        schema, video = content["schema"], config.video
+        schema = content["schema"]
+        properties = schema["properties"]
         assert video is not None  # the routes exist only where the app serves videos
         if video.batch_invariant:
             _require(schema, "seed")
-        _only(schema["properties"], "model", [cast(str, video.model), "video"])
-        _nullable(schema["properties"], "num_inference_steps")["maximum"] = video.max_inference_steps
-        _nullable(schema["properties"], "num_frames")["maximum"] = video.max_frames
+        _only(properties, "model", [cast(str, video.model), "video"])
+        steps = _nullable(properties, "num_inference_steps")
+        steps.update(minimum=rules.get("min_steps", 1), maximum=video.max_inference_steps)
+        size = _nullable(properties, "size")
+        size.update(
+            {"format": "image-size", "x-max-pixels": video.max_pixels, "x-size-multiple": rules.get("size_multiple", 8)}
+        )
+        step = rules.get("frame_step") or 1
+        counts = [frames for frames in range(1, video.max_frames + 1) if (frames - 1) % step == 0]
+        _nullable(properties, "num_frames").update(enum=counts)
+        _whole_seconds(schema, [s for s in range(1, MAX_SECONDS + 1) if s * video.fps + 1 in counts], video.fps)
+        _rewritten_prompt_fits(schema, llm)
+
+
+def _whole_seconds(schema: dict[str, Any], seconds: list[int], fps: int) -> None:
+    """`seconds` (a number, or OpenAI's string) only as the given counts, and `num_frames` beside it what they make."""
+    if not seconds:
+        schema["properties"].pop("seconds", None)  # none makes a count served here: refused as an unknown field
+        return
+    for branch in schema["properties"]["seconds"].get("anyOf", []):
+        if branch.get("type") == "integer":
+            branch["enum"] = seconds
+        elif branch.get("type") == "string":
+            branch.pop("pattern", None)
+            branch["enum"] = [str(s) for s in seconds]
+    made = [
+        {
+            "if": {"properties": {"seconds": {"enum": [s, str(s)]}}, "required": ["seconds"]},
+            "then": {"properties": {"num_frames": {"enum": [s * fps + 1, None]}}},
+        }
+        for s in seconds
+    ]
+    schema.setdefault("allOf", []).extend(made)
 
 
 def _narrow_chat(schema: dict[str, Any], config: AppConfig, llm: dict[str, Any]) -> None:
     properties = schema["properties"]
-    if config.switches.llm:  # a sampled completion needs its seed (a greedy one, temperature 0, is served without)
-        _require(schema, "seed")
+    if config.switches.llm:  # the seed contract (admit_chat): a sampled completion needs its seed, a greedy one not
+        seeded = {"required": ["seed"], "properties": {"seed": copy.deepcopy(_nullable(properties, "seed"))}}
+        greedy = {"properties": {"temperature": {"const": 0}}, "required": ["temperature"]}
+        schema.setdefault("allOf", []).append({"if": greedy, "else": seeded})
     _only(properties, "model", _model_ids(config, "llm", llm))
     context = llm.get("details", {}).get("context_tokens")
     if context is not None:  # a sum over fields, which JSON Schema has no keyword for
@@ -179,18 +253,28 @@ def _model_ids(config: AppConfig, stage: str, described: dict[str, Any]) -> list
     return sorted({described.get("model") or stage, stage, *([configured] if configured else [])})
 
 
-def _inside_doubles(schema: dict[str, Any]) -> None:
-    """An integer's bounds past 2**53 moved inward to doubles two steps inside: a validator that reads numbers as
-    doubles (many do, FastAPI's document model among them: it wrote the seed's maximum 2**64 - 1 as 1.8446744073709552e19,
-    which is 2**64) would otherwise take an integer just outside a bound for the bound itself (measured: a seed 191
-    below -2**63 passed one). The server's own range is that wide; the document's is narrower by a few parts in
-    10**16."""
-    if schema.get("type") != "integer":
+#: The integer bounds past 2**53 the contracts declare, by the double FastAPI's document model made of each (it writes
+#: every bound as a float: the seed's maximum 2**64 - 1 became 1.8446744073709552e19, which is 2**64).
+EXACT_BOUNDS = {float(bound): bound for bound in (MIN_SEED, MAX_SEED)}
+
+
+def _exact_integers(node: Any) -> None:
+    """Every integer's bounds, anywhere in the document (components, the edit form, the video bodies), as the exact
+    integers the server enforces: the seed's range is [-2**63, 2**64 - 1], inclusive, written as JSON integers (a float
+    bound past 2**53 is another number: a validator would take 2**64 for a seed). Bounds within 2**53 are exact as
+    floats and written as integers too."""
+    if isinstance(node, list):
+        for item in node:
+            _exact_integers(item)
+    if not isinstance(node, dict):
         return
-    for key, inward in (("minimum", math.inf), ("maximum", -math.inf)):
-        bound = schema.get(key)
-        if isinstance(bound, int | float) and abs(bound) > 2**53:  # FastAPI writes them as floats: past 2**53, inexact
-            schema[key] = int(math.nextafter(math.nextafter(float(bound), inward), inward))
+    if node.get("type") == "integer":
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+            bound = node.get(key)
+            if isinstance(bound, float):
+                node[key] = EXACT_BOUNDS[bound] if abs(bound) > 2**53 else int(bound)
+    for value in node.values():
+        _exact_integers(value)
 
 
 def _require(schema: dict[str, Any], name: str) -> None:

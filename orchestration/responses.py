@@ -7,6 +7,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from contracts.http import (
     AssistantMessage,
@@ -28,6 +29,7 @@ from contracts.http import (
 )
 from contracts.invariance import Switches
 from contracts.results import Completion, CompletionDelta, PartialImage, Provenance
+from contracts.sampling import reported_quality
 
 from .pipeline import ImagePlan, ImageResult
 from .result_cache import exact
@@ -53,9 +55,20 @@ def image_data(r: ImageResult, url: str | None = None) -> ImageData:
     )
 
 
-def delivery(plan: ImagePlan) -> dict[str, str]:
-    """What a response echoes of how its images were asked for: their quality (as asked) and format."""
-    return {"quality": plan.diffusion_params[0].quality or "auto", "output_format": plan.output.format}
+def delivery(plan: ImagePlan) -> dict[str, Any]:
+    """What a response says of how its images were made: their quality in OpenAI's terms (None: there is none, the
+    request gave its steps) and their format."""
+    params = plan.diffusion_params[0]
+    return {
+        "quality": reported_quality(params.quality, params.num_inference_steps),
+        "output_format": plan.output.format,
+    }
+
+
+def event_delivery(plan: ImagePlan) -> dict[str, Any]:
+    """`delivery` for a streamed event, whose schema requires a quality: "auto" where there is no OpenAI term."""
+    made = delivery(plan)
+    return {**made, "quality": made["quality"] or "auto"}
 
 
 def image_event(
@@ -66,7 +79,7 @@ def image_event(
     if isinstance(item, PartialImage):
         return ImagePartialEvent(
             type=f"{kind}.partial_image",
-            quality=delivery(plan)["quality"],
+            quality=event_delivery(plan)["quality"],
             b64_json=_b64(item.png),
             created_at=int(time.time()),
             size=f"{item.width}x{item.height}",
@@ -86,7 +99,7 @@ def image_event(
         size=f"{item.image.width}x{item.image.height}",
         image_index=index,
         usage=usage,
-        **delivery(plan),
+        **event_delivery(plan),
         **image_data(item).model_dump(),
     )
 

@@ -21,7 +21,7 @@ from contracts.config import DiffusionStageConfig
 from contracts.cpu import hold_process_to_path
 from contracts.errors import InvalidRequestError
 from contracts.provenance import ImageOrigin, ImageRecord, png_info
-from contracts.sampling import DiffusionSamplingParams, LoraChoice, batch_parts, quality_steps
+from contracts.sampling import DiffusionSamplingParams, LoraChoice, StepCache, batch_parts, quality_steps
 from contracts.seeds import seed_or_picked
 from stages.diffusion.engine import family_for
 from stages.diffusion.engine.families import Family, vae_slicing
@@ -213,6 +213,22 @@ def adapter_library(config: DiffusionStageConfig, model: str, pipe, family: Fami
     )
 
 
+def step_cache(cache: StepCache, family: Family | None, model: str) -> StepCache:
+    """An active step cache as the step engine (`family`; None: whole-request batching, refused) runs it: a threshold
+    left out is the family's measured one, filled in here so that the image's record says what ran."""
+    if family is None:
+        raise step_engine_only("cache", "step caching is decided per sample", model)
+    if cache.threshold is not None:
+        return cache
+    if family.cache_threshold is None:
+        raise InvalidRequestError(
+            f"no step-caching threshold has been measured for {model}'s family ({type(family).__name__}): give one",
+            param="cache.threshold",
+            code="missing",
+        )
+    return cache.model_copy(update={"threshold": family.cache_threshold})
+
+
 def step_engine_only(param: str, what: str, model: str) -> InvalidRequestError:
     """The 400 for a field only the step engine serves, from a replica that batches whole requests."""
     return InvalidRequestError(
@@ -292,8 +308,9 @@ class DiffusionRenderer:
         if serving_limits:
             self.config.check_limits(resolved)
         check_renderable(self, resolved)
-        if resolved.cache is not None and resolved.cache.active and not (step_engine and self.family):
-            raise step_engine_only("cache", "step caching is decided per sample", self.model)
+        if resolved.cache is not None and resolved.cache.active:
+            cache = step_cache(resolved.cache, self.family if step_engine else None, self.model)
+            resolved = resolved.model_copy(update={"cache": cache})
         if resolved.lora:
             resolved = resolved.model_copy(update={"lora": self._adapters(resolved.lora, step_engine)})
         if resolved.scheduler is not None:
@@ -381,6 +398,10 @@ def request_rules(renderer: DiffusionRenderer, step_engine: bool) -> dict[str, A
         "schedulers": sorted(renderer.family.SCHEDULERS) if per_sample and renderer.family else [],
         "true_cfg": renderer.accepts_true_cfg,
         "per_sample": per_sample,
+        # Step caching's threshold where a request gives none (None: a request must give one).
+        "cache_threshold": renderer.family.cache_threshold if per_sample and renderer.family else None,
+        # A video model's frame counts: frame_step x k + 1 (None: not a video model).
+        "frame_step": getattr(renderer.family, "frame_step", None),
     }
 
 

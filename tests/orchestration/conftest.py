@@ -6,7 +6,8 @@
           queue (seedless requests served with their seed returned; 503 + Retry-After when full), and the video
           stage with its switch off (the control of the videos' co-batching)
   "/small" both switches on, limits so small that any valid request renders in about a second (the schema fuzzer
-          draws requests at every bound) and a short LLM context; started by the first test that asks for it
+          draws requests at every bound), a short LLM context, and videos of one step; started by the first test that
+          asks for it
 
 Every app serves the embedded defaults: the trained shapes model and the trained rewriter (`stages.embedded`).
 """
@@ -62,6 +63,11 @@ SMALL = {
         "defaults": {"num_inference_steps": 2},
     },
     "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+    # The fuzzer's videos: one step, at most 9 frames (the tiny Wan's default) at 64x64; every job it creates is kept
+    # (a full job table is a 503, which the fuzzer counts as a failure) and renders after its answer.
+    "video": {"batch_invariant": True, "ray_actor_options": VIDEO_ACTOR, "max_pixels": 64 * 64,
+              "max_inference_steps": 1, "max_frames": 9, "max_jobs": 256, "max_queued": 256,
+              "defaults": {"num_inference_steps": 1}},
 }
 
 

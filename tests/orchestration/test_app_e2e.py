@@ -14,6 +14,7 @@ import pytest
 
 from contracts.invariance import MAX_SEED, MIN_SEED
 from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
+from tests.openai_types import read_as_openai
 from tests.scope_facts import record_gap
 
 from .conftest import STEPS, TIMEOUT_S
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def generate(http, path="/v1/images/generations", **body) -> dict:
     response = http.post(path, json={"size": "64x64", **body})
     assert response.status_code == 200, response.text
+    read_as_openai("images", response.json())  # as OpenAI's schema and its Python client read it
     return response.json()
 
 
@@ -382,6 +384,7 @@ CHAT = {"messages": [{"role": "user", "content": "a fox"}], "max_tokens": 8}
 def test_chat_completion_is_reproducible_with_its_seed(http):
     first = http.post("/v1/chat/completions", json={**CHAT, "seed": 11}).json()
     again = http.post("/v1/chat/completions", json={**CHAT, "seed": 11}).json()
+    read_as_openai("chat", first)
     assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
     assert first["token_ids"] == again["token_ids"] and first["seed"] == 11
     assert first["usage"]["completion_tokens"] == len(first["token_ids"]) <= 8

@@ -10,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from tests.openai_types import read_as_openai
+
 from .conftest import TIMEOUT_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -25,6 +27,7 @@ def test_the_stream_concatenated_is_the_non_streamed_completion_token_for_token(
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
     whole = http.post("/v1/chat/completions", json=BODY).json()
+    read_as_openai("chat", whole)  # logprobs included
     chunks = list(client.chat.completions.create(**BODY, model="llm", stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -46,6 +49,8 @@ def test_the_raw_stream_is_data_lines_ending_in_done_without_usage_unless_asked(
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
     assert all(c["usage"] is None for c in chunks) and all(c["choices"] for c in chunks)
+    for chunk in chunks:
+        read_as_openai("chunk", chunk)
 
 
 @pytest.mark.parametrize("body, param", [({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -258,6 +258,66 @@ def test_a_valid_body_reaches_the_ingress_whole(api):
     assert response.status_code == 200 and response.json() == {"echo": "\u05e9 fox"}
 
 
+class StubVideos:
+    """What `build_api`'s video routes need of a VideoFront: a job's creation, which raises the ingress's failure."""
+
+    def __init__(self, ingress: StubIngress):
+        self.ingress = ingress
+
+    async def create(self, request):
+        raise self.ingress.failure or AssertionError("the stub renders nothing")
+
+
+@pytest.fixture
+def video_api():
+    from fastapi.testclient import TestClient
+
+    from orchestration.api import build_api
+
+    ingress = StubIngress()
+    ingress.videos = StubVideos(ingress)
+    with TestClient(build_api(ingress), raise_server_exceptions=False) as client:
+        client.ingress = ingress
+        yield client
+
+
+#: Past validation, the stub's stage work refuses with this: a 400 naming "reached" says the body was accepted.
+REACHED = InvalidRequestError("the body passed validation", param="reached")
+PNG = ("in.png", b"\x89PNG\r\n\x1a\n", "image/png")
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/images/generations", {"prompt": "x", "seed": 1.0}, "seed"),
+    ("/v1/images/generations", {"prompt": "x", "seed": 1, "n": 2.0}, "n"),
+    ("/v1/images/generations", {"prompt": "x", "seed": 1, "num_inference_steps": 4.0}, "num_inference_steps"),
+    ("/v1/images/generations", {"prompt": "x", "seed": 1, "stream": True, "partial_images": 1.0}, "partial_images"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 7.0}, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4.0}, "max_tokens"),
+    ("/v1/videos", {"prompt": "x", "seed": 1.0}, "seed"),
+    ("/v1/videos", {"prompt": "x", "seed": 1, "num_frames": 5.0}, "num_frames"),
+    ("/v1/videos", {"prompt": "x", "seed": 1, "seconds": 1.0}, "seconds"),
+])
+def test_a_json_float_for_an_integer_field_is_a_400_naming_it_on_every_route(video_api, route, body, param):
+    video_api.ingress.failure = REACHED
+    error = openai_error(video_api.post(route, json=body), 400)
+    assert error["param"] == param and param in error["message"]
+    whole = {k: int(v) if k == param else v for k, v in body.items()}
+    assert openai_error(video_api.post(route, json=whole), 400)["param"] in ("reached", None)  # the integer passes
+
+
+@pytest.mark.parametrize("route,fields,files", [
+    ("/v1/images/edits", {"prompt": "x", "n": "1"}, {"image": PNG}),
+    ("/v1/videos", {"prompt": "x", "num_frames": "5"}, {}),
+])
+@pytest.mark.parametrize("name", ["seed", "num_inference_steps"])
+def test_a_forms_integer_field_takes_1_and_refuses_1_0_naming_it(video_api, route, fields, files, name):
+    video_api.ingress.failure = REACHED
+    for text, param in (("1", "reached"), ("1.0", name), ("1e0", name)):
+        form = {field: (None, value) for field, value in {**fields, "seed": "1", name: text}.items()}  # text parts
+        response = video_api.post(route, files={**form, **files})
+        assert openai_error(response, 400)["param"] == param, (text, response.text)
+
+
 def test_a_servers_value_error_is_500_over_http(api):
     api.ingress.failure = ValueError("a bug in the server")
     error = openai_error(api.post("/v1/images/generations", json={"prompt": "x"}), 500)

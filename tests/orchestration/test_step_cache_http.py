@@ -1,7 +1,8 @@
 """Step caching over HTTP on the package's "/" app (tests/orchestration/conftest.py: both switches on, two diffusion
 replicas): a request's `cache` runs fewer denoiser steps and says how many (`steps_computed`), gives the same bytes
-from either replica, is written into the PNG's record, and `omniserve verify` reproduces the image from its PNG alone;
-the same pixels with the cache left out of the record fail. A malformed `cache` is a 400 naming it."""
+from either replica, is written into the PNG's record (a threshold left out: the measured default, recorded), and
+`omniserve verify` reproduces the image from its PNG alone; the same pixels with the cache left out of the record fail.
+A malformed `cache` is a 400 naming it."""
 
 import base64
 
@@ -45,7 +46,15 @@ def test_omniserve_verify_reproduces_a_cached_image_from_its_png_alone(server, h
     assert "FAIL" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cache", [{"method": "teacache"}, {"method": "teacache", "threshold": -1},
+def test_teacache_without_a_threshold_runs_the_measured_default_and_its_png_records_it(http):
+    left_out = generate(http, seed=7, cache={"method": "teacache"})
+    record = read_record(base64.b64decode(left_out["b64_json"]))
+    assert record.params.cache is not None and record.params.cache.threshold == 0.2  # the default UNet's, measured
+    assert left_out["sha256"] == generate(http, seed=7, cache={"method": "teacache", "threshold": 0.2})["sha256"]
+    assert left_out["steps_computed"] < STEPS
+
+
+@pytest.mark.parametrize("cache", [{"method": "off", "threshold": 0.1}, {"method": "teacache", "threshold": -1},
                                    {"method": "fbcache", "threshold": 0.1}, "on"])
 def test_a_malformed_cache_is_a_400_naming_it(http, cache):
     response = http.post("/v1/images/generations", json={**BODY, "seed": 1, "cache": cache})

@@ -8,6 +8,7 @@ generate` then `omniserve verify` exits 0; verify fails for an edited file and a
 import base64
 import hashlib
 import io
+import json
 
 import pytest
 from PIL import Image
@@ -16,6 +17,7 @@ from PIL.PngImagePlugin import PngInfo
 from cli.main import main
 from contracts.provenance import RECORD_CHUNK, ImageRecord, read_chunks, read_record
 from contracts.seeds import seeds_for_request
+from tests.openai_types import read_as_openai
 
 from .conftest import STEPS, TIMEOUT_S
 from .test_edits import IMAGE, edit
@@ -39,6 +41,7 @@ def test_openai_client_streams_partial_images_then_the_non_streamed_bytes(client
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     assert all(e.size == "64x64" and e.output_format == "png" and decoded(e).startswith(b"\x89PNG") for e in events)
+    assert all(e.quality == "high" for e in events)  # the default steps, in OpenAI's terms
     completed = events[-1]
     whole = http.post("/v1/images/generations", json={"prompt": PROMPT, "size": "64x64", "seed": 7}).json()["data"][0]
     assert decoded(completed) == base64.b64decode(whole["b64_json"])
@@ -48,6 +51,16 @@ def test_openai_client_streams_partial_images_then_the_non_streamed_bytes(client
     record = read_record(decoded(completed))  # the provenance inside: the client's prompt, its rewrite, both stages
     assert (record.prompt, record.revised_prompt, record.seed, record.enhance) == (PROMPT, whole["revised_prompt"], 7, True)
     assert record.llm_params.seed == 7 and set(record.stages) == {"llm", "diffusion"}
+
+
+def test_each_raw_stream_event_is_what_the_official_types_read_strictly(http):
+    body = {"prompt": PROMPT, "size": "64x64", "seed": 7, "stream": True, "partial_images": 1,
+            "num_inference_steps": STEPS, "enhance_prompt": False}
+    with http.stream("POST", "/v1/images/generations", json=body) as response:
+        data = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [event["type"] for event in data] == ["image_generation.partial_image", "image_generation.completed"]
+    for event in data:  # steps given: no OpenAI quality names them, and the events' schemas require one: "auto"
+        assert read_as_openai(event["type"], event).quality == "auto"
 
 
 def test_openai_client_streams_an_edit_with_image_edit_events(client):

@@ -99,6 +99,7 @@ def test_the_control_with_invariance_off_differs_among_others(http):
     ("body", "status", "param"),
     [
         ({"prompt": PROMPT}, 400, "seed"),  # the seed contract under invariance
+        ({"prompt": PROMPT, "seed": 1.0}, 400, "seed"),  # integers mean integers
         ({"prompt": PROMPT, "seed": 1, "seconds": "0"}, 400, "seconds"),
         ({"prompt": PROMPT, "seed": 1, "seconds": 9}, 400, "num_frames"),  # 73 frames: over max_frames
         ({"prompt": PROMPT, "seed": 1, "seconds": "1", "num_frames": 17}, 400, "num_frames"),  # they disagree
@@ -149,6 +150,7 @@ def test_the_served_document_declares_the_video_routes_as_the_server_enforces_th
         assert "seed" in content["schema"]["required"]  # invariance on: the seed contract
         assert "input_reference" not in content["schema"]["properties"]
     assert {"get", "delete"} <= set(document["paths"]["/v1/videos/{video_id}"])
+    assert http.options("/v1/videos/video_unknown").headers["Allow"] == "DELETE, GET"  # every method of the path
     assert "video/mp4" in document["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]["200"]["content"]
 
 

@@ -10,10 +10,14 @@ from pydantic import ValidationError
 
 from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError
+from contracts.provenance import ImageRecord, read_record
+from contracts.results import Provenance
 from contracts.sampling import DiffusionSamplingParams, StepCache
 from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import Sample, StepEngine
+from stages.diffusion.engine.families import SDXLFamily
 from stages.diffusion.engine.step_cache import relative_l1
+from stages.diffusion.renderer import encode_png, step_cache
 from stages.kernels import disable_batch_invariant_kernels
 
 pytestmark = pytest.mark.slow
@@ -108,9 +112,9 @@ def test_cache_off_or_unset_computes_every_step_and_gives_the_uncached_bytes(ren
     assert [s.steps_computed for s in samples] == [TARGET[2]] * 2 and samples[1].cache is None
 
 
-def test_a_threshold_is_required_with_teacache_and_refused_with_off():
+def test_a_threshold_is_bounded_with_teacache_and_refused_with_off():
+    assert DiffusionSamplingParams(cache={"method": "teacache"}).cache == StepCache(method="teacache", threshold=None)
     for bad in (
-        {"method": "teacache"},
         {"method": "off", "threshold": 0.1},
         {"method": "teacache", "threshold": 0},
         {"method": "fbcache", "threshold": 0.1},
@@ -118,6 +122,29 @@ def test_a_threshold_is_required_with_teacache_and_refused_with_off():
     ):
         with pytest.raises(ValidationError):
             DiffusionSamplingParams(cache=bad)
+
+
+def test_teacache_without_a_threshold_runs_its_familys_measured_one_and_records_it(renderer):
+    measured = renderer.family.cache_threshold
+    assert measured == 0.2  # docs/performance.md: the default UNet's and the tiny FLUX DiT's
+    alone = renderer.resolve(DiffusionSamplingParams(seed=1, cache={"method": "teacache"}), step_engine=True)
+    assert alone.cache == StepCache(method="teacache", threshold=measured)
+    given = sample(renderer, *TARGET, cache=StepCache(method="teacache", threshold=measured))
+    left_out = sample(renderer, *TARGET, cache=StepCache(method="teacache"))
+    images = render(StepEngine, renderer, [given, left_out])
+    assert np.array_equal(images[0], images[1]) and given.steps_computed == left_out.steps_computed < TARGET[2]
+    stage = Provenance(model=renderer.model, batch_invariant=True, kernel_backend="cpu")
+    record = ImageRecord.of(TARGET[0], left_out.params, stage, None)  # as the stage writes it: the resolved params
+    assert read_record(encode_png(images[1], record)).params.cache.threshold == measured
+
+
+def test_a_family_without_a_measured_threshold_asks_for_one_naming_cache_threshold():
+    unmeasured = SDXLFamily.__new__(SDXLFamily)  # the class's attributes only: no pipeline needed
+    with pytest.raises(InvalidRequestError) as refused:
+        step_cache(StepCache(method="teacache"), unmeasured, "an-sdxl-model")
+    assert refused.value.param == "cache.threshold" and "give one" in refused.value.message
+    given = StepCache(method="teacache", threshold=0.1)
+    assert step_cache(given, unmeasured, "an-sdxl-model") == given
 
 
 def test_whole_request_batching_refuses_step_caching_naming_cache():
