@@ -189,10 +189,10 @@ class StubIngress:
     videos = None  # serves no videos: no video routes
     failure: BaseException | None = None
 
-    async def images(self, request):
+    async def images(self, request, fresh: bool = False):
         raise self.failure or AssertionError("the stub renders nothing: image tests here set a failure")
 
-    async def chat(self, request):
+    async def chat(self, request, fresh: bool = False):
         from fastapi.responses import JSONResponse
 
         if self.failure:
