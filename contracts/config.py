@@ -146,6 +146,11 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     lora_cache_mib: Annotated[int, Field(ge=1)] = 256
     defaults: DiffusionDefaults = Field(default_factory=DiffusionDefaults)
     warm_up: bool = True
+    # With invariance on, before it takes traffic the replica audits its own configuration here (solo against
+    # co-batched, its kernels against stock: `stages.diffusion.self_audit`) unless an earlier start's record of the
+    # same configuration covers it. quick: every batch size, 2 steps; full: three orderings, 4 steps, the neighbours
+    # too; off: the shipped and user records alone decide.
+    self_audit: Literal["quick", "full", "off"] = "quick"
     # The health check fails (and Serve replaces the replica) when one step of the step engine, or one whole
     # batch with request batching, has run longer than this: the compute thread is stuck. Generous for CPUs.
     stuck_after_s: Annotated[float, Field(gt=0)] = 600.0

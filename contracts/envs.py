@@ -173,6 +173,13 @@ VARIABLES: dict[str, Variable] = {
             "the server `omniserve generate`, `verify` and `health` talk to (their --url overrides it)",
         ),
         Variable(
+            "OMNISERVE_TEST_FAULT",
+            None,
+            _text,
+            "tests only: kernels-uninstalled leaves a diffusion replica on stock kernels while its switch says on, "
+            "for its self-audit to catch",
+        ),
+        Variable(
             "VLLM_CPU_ATTN_SPLIT_KV",
             "1",
             _not_zero,

@@ -86,6 +86,11 @@ class ScopeRecord(_Data):
         return self.result.control_varied and self.result.differing_with_kernels_on == 0
 
     @property
+    def by_self_audit(self) -> bool:
+        """Written by a replica's start-up self-audit (`SelfAudit`), not by `omniserve audit`."""
+        return self.audited.get("by") == "self-audit"
+
+    @property
     def name(self) -> str:
         """The file name: stage, model, dtype, threads, sizes, and a digest of configuration and coverage."""
         c = self.configuration
@@ -94,6 +99,7 @@ class ScopeRecord(_Data):
         sizes = "-" + "-".join(self.coverage.sizes) if self.coverage.sizes else ""
         grid = c.engine.get("parallel")  # a parallel render's degrees (evidence.parallel)
         sizes += f"-cfg{grid['cfg']}-sp{grid['sp']}" if grid else ""
+        sizes += "-self-audit" if self.by_self_audit else ""
         return f"{c.stage}-{slug}-{c.dtype}-{c.device}-t{c.torch_threads}{sizes}-{hashlib.sha256(blob).hexdigest()[:10]}.json"
 
 
@@ -142,6 +148,32 @@ class SelfCheck(_Data):
             return f"no golden column for this configuration on {self.path} (omniserve golden --record makes one)"
         done = f"self-check reproduced {self.total - len(self.differing)} of {self.total} golden outputs on {self.path}"
         return done if not self.differing else f"{done}; differing: {', '.join(self.differing)}"
+
+
+class SelfAudit(_Data):
+    """A replica's start-up audit of its own configuration (`stages.diffusion.self_audit`): its canonical requests
+    solo and co-batched with unlike neighbours, with its kernels and with stock kernels (the control)."""
+
+    mode: Literal["quick", "full"]
+    runs: int = 0  # co-batched renders compared with solo, kernels on and off together
+    seconds: float = 0.0
+    control_varied: bool = False
+    differing: list[str] = []  # the kernels-on cases whose target differed from solo, with their element counts
+    record: str | None = None  # the record it wrote, or reused
+    reused: bool = False  # an earlier start's record covered this configuration: nothing rendered
+
+    @property
+    def reason(self) -> str:
+        if self.reused:
+            return f"self-audit reused its record {self.record}"
+        if self.differing:
+            return f"self-audit: with the kernels on, co-batched differed from solo: {'; '.join(self.differing)}"
+        if not self.control_varied:
+            return (
+                f"self-audit: no stock control varied in {self.runs} co-batched runs on this device, so its "
+                "0 differing proves nothing here"
+            )
+        return f"self-audit: control varied, 0 of {self.runs} co-batched runs differed with the kernels on"
 
 
 def load_golden(path: Path = GOLDEN_TABLE) -> list[GoldenColumn]:
@@ -224,8 +256,9 @@ def write_record(record: ScopeRecord, directory: Path) -> Path:
     return path
 
 
+#: What a record must equal. Not the model's name or path: the same weights served from another directory, or under
+#: another name, compute the same bits (`weights` is their content's digest); the name is kept for readers.
 _LABELS = {
-    "model": "model",
     "weights": "weights",
     "dtype": "dtype",
     "device": "device",
@@ -273,25 +306,43 @@ def match(
     batch_size: int,
     size: str | None = None,
     self_check: SelfCheck | None = None,
+    self_audit: SelfAudit | None = None,
 ) -> Verdict:
     """Verified when a record covers `configuration` at batch sizes 1..`batch_size` (and `size`) and this replica's
     self-check, where it ran, reproduced its golden column; else the nearest record's differences (the fewest).
 
     On CPU a configuration names the kernel path, not the CPU's flags (stages/scope.py), so a record made on another
     machine of the same path covers this one: the record proves the configuration invariant, the self-check that
-    this machine computes that path's bits. A self-check that differs leaves the replica unverified whatever covers it."""
+    this machine computes that path's bits. A self-check that differs leaves the replica unverified whatever covers it,
+    and so does a self-audit whose kernels-on runs differed (this replica, here, gave batch-dependent bits). Among
+    covering records a self-audit's (this configuration, proven where it runs) is preferred."""
     candidates = [
         (differences(configuration, r, batch_size=batch_size, size=size), r)
         for r in records
         if r.configuration.stage == configuration.stage
     ]
+    if self_audit is not None and self_audit.differing:  # measured here: nothing written elsewhere outweighs it
+        found = min((f for f, _ in candidates), key=len, default=[])
+        return Verdict(verified=False, differences=[*found, self_audit.reason])
     if not candidates:
         return Verdict(verified=False, differences=[f"no audit record for the {configuration.stage} stage"])
-    found, nearest = min(candidates, key=lambda pair: len(pair[0]))
+    # The fewest differences; on a tie, a record of the same weights (its reasons are the ones to read), then a
+    # self-audit's.
+    found, nearest = min(
+        candidates,
+        key=lambda pair: (
+            len(pair[0]),
+            pair[1].configuration.weights != configuration.weights,
+            not pair[1].by_self_audit,
+        ),
+    )
     if self_check is not None and self_check.total and self_check.differing:  # this machine computes other bits
         return Verdict(verified=False, differences=[*found, self_check.reason])
     if found:
         return Verdict(verified=False, differences=found)
+    if nearest.by_self_audit:
+        by = f"self-audit record {nearest.name} ({nearest.audited.get('summary', '')})"
+        return Verdict(verified=True, record=nearest.name, by=by)
     by = f"audit record {nearest.name}"
     return Verdict(
         verified=True,

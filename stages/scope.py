@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
+import os
 from pathlib import Path
 
 from contracts.cpu import cpu_isa
@@ -20,6 +22,7 @@ from contracts.errors import InvalidRequestError
 from contracts.scope import (
     Configuration,
     OutsideVerifiedScopeError,
+    SelfAudit,
     SelfCheck,
     Verdict,
     load_records,
@@ -70,17 +73,48 @@ def kernels_digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def _local_directory(location: str | None) -> Path | None:
+    """A model directory, or a hub id's snapshot in the local hub cache (None: neither is here to read)."""
+    if not location:
+        return None
+    if Path(location).is_dir():
+        return Path(location)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(location, local_files_only=True))
+    except Exception:  # not a hub id, or not downloaded: nothing local to hash
+        return None
+
+
 def weights_digest(location: str | None) -> str:
-    """sha256 over the weight files under a model directory (relative path and bytes, sorted by path)."""
-    directory = Path(location) if location else None
-    if directory is None or not directory.is_dir():
-        return f"unhashed:{location}"  # a hub id: the files are not ours to read here
+    """sha256 over the weight files under a model directory (relative path and bytes, sorted by path): the same
+    weights give the same digest from any directory or name. A directory's files are hashed once per identity
+    (relative path, size, mtime, inode: a rename keeps it, a rewrite or a copy does not), kept in the user's cache."""
+    from contracts.envs import cache_root
+
+    directory = _local_directory(location)
+    if directory is None:
+        return f"unhashed:{location}"
+    files = sorted(p for p in directory.rglob("*") if p.suffix in WEIGHT_SUFFIXES)
+    identity = [(str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ino) for p in files]
+    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
+    known = cache_root() / "weights-digests" / key
+    if known.is_file():
+        return known.read_text().strip()
     digest = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt")):
+    for path in files:
         digest.update(str(path.relative_to(directory)).encode() + b"\0")
         with path.open("rb") as weights:
             while chunk := weights.read(1 << 22):
                 digest.update(chunk)
+    known.parent.mkdir(parents=True, exist_ok=True)
+    partial = known.with_suffix(f".{os.getpid()}")
+    partial.write_text(digest.hexdigest())
+    partial.replace(known)  # atomic: replicas starting together never read half a digest
     return digest.hexdigest()
 
 
@@ -137,9 +171,10 @@ class ReplicaScope:
         strict: bool = False,
         records=None,
         self_check: SelfCheck | None = None,
+        self_audit: SelfAudit | None = None,
     ):
         self.configuration, self.batch_invariant, self.batch_size = configuration, batch_invariant, batch_size
-        self.self_check = self_check
+        self.self_check, self.self_audit = self_check, self_audit
         self.strict = strict and batch_invariant
         self.records = load_records() if records is None else records
         self.verdict = self._match(size) if batch_invariant else Verdict(verified=False, differences=[INVARIANCE_OFF])
@@ -149,7 +184,12 @@ class ReplicaScope:
 
     def _match(self, size: str | None) -> Verdict:
         return match(
-            self.configuration, self.records, batch_size=self.batch_size, size=size, self_check=self.self_check
+            self.configuration,
+            self.records,
+            batch_size=self.batch_size,
+            size=size,
+            self_check=self.self_check,
+            self_audit=self.self_audit,
         )
 
     def for_size(self, width: int, height: int) -> Verdict:
@@ -179,11 +219,16 @@ class ReplicaScope:
 
 
 def diffusion_scope(
-    renderer, config, configuration: Configuration, self_check: SelfCheck | None = None
+    renderer,
+    config,
+    configuration: Configuration,
+    self_check: SelfCheck | None = None,
+    self_audit: SelfAudit | None = None,
 ) -> ReplicaScope:
     """A diffusion replica's scope: its batch bound and its default size must be audited; `self_check` (the replica's
     against the golden table, `stages.diffusion.self_check.diffusion_self_check`, run by the stage on its step engine)
-    decides whether another machine's records cover it. `configuration`: the renderer's (`diffusion_configuration`)."""
+    decides whether another machine's records cover it, `self_audit` (`stages.diffusion.self_audit`) whether this
+    replica proved itself here. `configuration`: the renderer's (`diffusion_configuration`)."""
     return ReplicaScope(
         configuration,
         batch_invariant=bool(config.batch_invariant),
@@ -191,6 +236,7 @@ def diffusion_scope(
         size=f"{renderer.defaults['width']}x{renderer.defaults['height']}",
         strict=resolve_strict(config.strict),
         self_check=self_check,
+        self_audit=self_audit,
     )
 
 

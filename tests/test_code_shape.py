@@ -137,6 +137,8 @@ LOCAL_IMPORTS_ALLOWED = {
     "without Ray Serve",
     "stages.diffusion.renderer": "the ingress imports the stage classes to bind them: torch, diffusers and the kernels "
     "load in a diffusion replica only",
+    "stages.diffusion.self_audit": "the same: its control swaps the kernels (torch, the C++ build), which load in a "
+    "diffusion replica only",
     "stages.scope": "the same: the kernels' module (torch, the C++ build) loads only where a configuration is described",
     "stages.embedded.shapes": "the image model's word list is read by the LLM stage too, which never loads diffusers "
     "(the tokenizer's byte-level vocabulary lives beside the diffusion loader)",

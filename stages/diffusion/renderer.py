@@ -27,6 +27,7 @@ from stages.diffusion.engine import family_for
 from stages.diffusion.engine.families import Family, vae_slicing
 from stages.diffusion.engine.sample import seeded_generator
 from stages.diffusion.lora import AdapterLibrary
+from stages.diffusion.self_audit import leave_kernels_out_under_test_fault
 from stages.diffusion.video_file import quantized
 from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_adapters
 
@@ -265,6 +266,7 @@ class DiffusionRenderer:
                 f"diffusion batch invariance is on but its kernels are not installed, so this "
                 f"replica refuses to start: {self.kernels.reason}"
             )
+        leave_kernels_out_under_test_fault(self.batch_invariant)
         self.model = config.model or DEFAULT_MODELS["diffusion"]
         self.pipe = load_pipeline(self.model, device=self.device, dtype=config.dtype, video=config.serves_video)
         self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters

@@ -30,6 +30,7 @@ from stages.scope import diffusion_configuration, diffusion_scope
 from .admission import Admission
 from .batching import RequestBatching, StepBatching, updates_then_result
 from .renderer import DiffusionRenderer, Job, check_serves, encode_png, request_rules
+from .self_audit import self_audit
 from .self_check import diffusion_self_check
 
 
@@ -61,7 +62,9 @@ class DiffusionStage:
             if batch_invariant and engine is not None
             else None
         )
-        self.scope = diffusion_scope(self.renderer, self.config, configuration, self_check=check)
+        # Before traffic (Serve routes to a replica once its constructor returns): prove this configuration here.
+        audit = self_audit(self.renderer, engine, configuration, config=self.config, replica=self.replica)
+        self.scope = diffusion_scope(self.renderer, self.config, configuration, self_check=check, self_audit=audit)
         self.provenance = self.provenance.model_copy(update=self.scope.provenance())
         record_switch_state("diffusion", batch_invariant, self.renderer.kernels.backend)
         if self.config.warm_up:
@@ -154,6 +157,9 @@ class DiffusionStage:
                 "loras": self.renderer.loras.names(),  # what a request's `lora` may name here (GET /v1/loras)
                 "requests": request_rules(self.renderer, isinstance(self.batching, StepBatching)),
                 "problem": problem,
+                "self_audit": self.scope.self_audit.model_dump() | {"reason": self.scope.self_audit.reason}
+                if self.scope.self_audit
+                else None,
             },
         )
 

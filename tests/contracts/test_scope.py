@@ -37,11 +37,36 @@ def test_a_record_with_an_equal_configuration_verifies_it():
 
 def test_unverified_names_each_difference_of_the_nearest_record():
     mine = AUDITED.model_copy(update={"dtype": "bfloat16", "torch_threads": 4})
-    far = record(AUDITED.model_copy(update={"dtype": "float16", "torch_threads": 2, "model": "other"}))
+    far = record(AUDITED.model_copy(update={"dtype": "float16", "torch_threads": 2, "weights": "cd" * 32}))
     verdict = match(mine, [far, record()], batch_size=8, size="64x64")
     assert not verdict.verified
     assert verdict.differences == ["dtype bfloat16 not audited (audited float32)",
                                    "thread count 4 not audited (audited 1)"]
+
+
+def test_the_models_name_or_path_is_never_matched_only_its_weights():
+    moved = AUDITED.model_copy(update={"model": "/home/me/models/renamed"})
+    assert match(moved, [record()], batch_size=8, size="64x64").verified
+    retrained = AUDITED.model_copy(update={"weights": "cd" * 32})
+    assert match(retrained, [record()], batch_size=8, size="64x64").differences == [
+        f"weights {'cd' * 6} not audited (audited {'ab' * 6})"]
+
+
+def self_audited(**audited):
+    made = record()
+    return made.model_copy(update={"audited": {"by": "self-audit", "summary": "quick: control varied", **audited}})
+
+
+def test_a_self_audit_record_is_preferred_and_says_so_and_a_differing_self_audit_outweighs_every_record():
+    from contracts.scope import SelfAudit
+
+    verdict = match(AUDITED, [record(), self_audited()], batch_size=8, size="64x64")
+    assert verdict.verified and verdict.record == self_audited().name != record().name
+    assert verdict.by.startswith(f"self-audit record {self_audited().name}")
+    caught = SelfAudit(mode="quick", runs=7, control_varied=True, differing=["batch 3, target middle: target (12 of 64)"])
+    verdict = match(AUDITED, [record(), self_audited()], batch_size=8, size="64x64", self_audit=caught)
+    assert not verdict.verified and verdict.differences == [caught.reason]
+    assert "batch 3, target middle" in caught.reason
 
 
 def test_versions_engine_settings_and_hardware_are_part_of_the_configuration():

@@ -49,7 +49,9 @@ def path_record():
 
 @contextmanager
 def replica(**config):
-    stage = DiffusionStage.func_or_class(DiffusionStageConfig(**{"batch_invariant": True, "warm_up": False, **config}))
+    """A replica judged by the records alone (its self-audit off: tests/stages/test_self_audit.py has it on)."""
+    defaults = {"batch_invariant": True, "warm_up": False, "self_audit": "off"}
+    stage = DiffusionStage.func_or_class(DiffusionStageConfig(**{**defaults, **config}))
     try:
         yield stage
     finally:
