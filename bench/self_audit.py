@@ -1,0 +1,114 @@
+"""What a replica's start-up self-audit costs (stages/diffusion/self_audit.py): a diffusion (or video) replica's start
+with `self_audit: off`, with `quick` on a first start (an empty record cache: it audits) and on a second start (its
+record reused), each start in a fresh process, as a replica starts, the modes alternating over repeats.
+
+A benchmark, not a test. A start is the Serve class's constructor (model load, kernels, golden self-check, self-audit,
+warm-up off), timed inside the process; the process's imports are not counted (the same for every mode).
+
+    .venv/bin/python -m bench.self_audit --repeats 3 [--stage video] [--markdown FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from contracts.cpu import cpu_isa
+from evidence.report import environment
+
+#: One replica start in this process: prints {"seconds", "self_audit"} as JSON.
+START = """
+import json, sys, time
+from pathlib import Path
+import contracts.scope
+records = Path(sys.argv[1])
+contracts.scope.user_records = lambda: records
+from contracts.config import DiffusionStageConfig, VideoStageConfig
+video = sys.argv[3] == "video"
+if video:
+    from stages.diffusion.video_stage import VideoStage as Stage
+else:
+    from stages.diffusion import DiffusionStage as Stage
+Config = VideoStageConfig if video else DiffusionStageConfig
+config = Config(batch_invariant=True, warm_up=False, torch_threads=1, self_audit=sys.argv[2])
+started = time.monotonic()
+stage = Stage.func_or_class(config)
+seconds = time.monotonic() - started
+audit = stage.scope.self_audit
+stage.batching.engine.stop()
+print(json.dumps({"seconds": seconds, "verified": stage.scope.verdict.verified,
+                  "self_audit": audit.model_dump() | {"reason": audit.reason} if audit else None}))
+"""
+
+MODES = ("off", "quick, first start", "quick, second start")
+
+
+def start(records: Path, mode: str, stage: str) -> dict:
+    """One start: the constructor's seconds (timed inside) and the whole process's (imports and exit included)."""
+    audit = "off" if mode == "off" else "quick"
+    began = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", START, str(records), audit, stage], capture_output=True, text=True, check=True
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1]) | {"process_seconds": time.monotonic() - began}
+
+
+def run(repeats: int, stage: str) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for repeat in range(repeats):
+        with tempfile.TemporaryDirectory() as directory:
+            records = Path(directory) / "scope"
+            order = MODES if repeat % 2 == 0 else ("quick, first start", "quick, second start", "off")
+            for mode in order:  # a second start always follows its first; off before or after them
+                results[mode].append(start(records, mode, stage))
+    return results
+
+
+def markdown(results: dict[str, list[dict]], stage: str) -> str:
+    off = [r["seconds"] for r in results["off"]]
+    lines = [
+        f"### The {stage} replica's start with and without its self-audit",
+        "",
+        f"`.venv/bin/python -m bench.self_audit {' '.join(sys.argv[1:])}` ({environment()['hardware']['cpu']}, CPU kernel path {cpu_isa()}); seconds per start, min / median / max over "
+        f"{len(off)} repeats, each start a fresh process (constructor: timed inside it; process: its whole life, "
+        "imports of torch and diffusers included); ratios to `off` paired by repeat.",
+        "",
+        "| self_audit | constructor s | ratio to off | process s | ratio to off | rendered runs | verified | what it said |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    whole = [r["process_seconds"] for r in results["off"]]
+    for mode, runs in results.items():
+        cells = []
+        for key, base in (("seconds", off), ("process_seconds", whole)):
+            seconds = [r[key] for r in runs]
+            ratios = [s / o for s, o in zip(seconds, base, strict=True)]
+            cells.append(f"{min(seconds):.2f} / {statistics.median(seconds):.2f} / {max(seconds):.2f}")
+            cells.append(f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}")
+        audit = runs[-1]["self_audit"]
+        lines.append(
+            f"| {mode} | {' | '.join(cells)} "
+            f"| {audit['runs'] if audit else 0} | {runs[-1]['verified']} | {audit['reason'] if audit else 'not run'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stage", choices=("diffusion", "video"), default="diffusion")
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    report = markdown(run(args.repeats, args.stage), args.stage)
+    print(report)
+    if args.markdown:
+        args.markdown.write_text(report)
+
+
+if __name__ == "__main__":
+    main()
