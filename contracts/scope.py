@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -252,7 +253,9 @@ def write_record(record: ScopeRecord, directory: Path) -> Path:
         raise ValueError("a record whose control did not vary, or whose kernels-on runs differed, verifies nothing")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / record.name
-    path.write_text(json.dumps(record.model_dump(mode="json"), indent=1, sort_keys=True) + "\n")
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(record.model_dump(mode="json"), indent=1, sort_keys=True) + "\n")
+    partial.replace(path)  # atomic: replicas auditing side by side never read half a record
     return path
 
 
