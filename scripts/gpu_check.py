@@ -15,7 +15,9 @@ Dry run on CPU, every code path at tiny sizes (under a minute; its figures are n
    time(off) / time(on) paired per repeat, min/median/max.
 3. diffusion: the stage's renderer with the embedded models at 64x64 and 256x256, fp32 and bf16: an image's
    bits alone vs co-batched (both render paths), and images/s off vs on at batch 1, 4, 8.
-4. checks: PASS/FAIL lines, also in the JSON (thresholds below, why in the notes of docs/performance/gpu-check.md).
+4. self-audit: a diffusion replica (the default model; FULL: every embedded one too) starts on the device with its
+   start-up self-audit (solo vs co-batched, its kernels and stock), as a first start: it must prove itself.
+5. checks: PASS/FAIL lines, also in the JSON (thresholds below, why in the notes of docs/performance/gpu-check.md).
 
 Why two worker processes instead of switching kernels in one (as the CPU benches do): on CUDA, vLLM's
 `init_batch_invariance()` also changes process-wide state that disabling does not undo (cuBLAS workspace
@@ -286,6 +288,41 @@ class Tasks:
         synchronize(self.device)
         return time.perf_counter() - start
 
+    def self_audit(self, model: str, dtype: str, mode: str) -> dict:
+        """A diffusion replica's start-up self-audit on this device (stages/diffusion/self_audit.py), as a first start
+        (an empty record cache, so it renders): its verdict and what it said."""
+        import tempfile
+
+        import contracts.scope
+        from contracts.config import DiffusionStageConfig
+        from stages.diffusion import DiffusionStage
+
+        self.renderers.clear()  # one model in memory at a time
+        config = DiffusionStageConfig(
+            model=model,
+            batch_invariant=True,
+            device=self.device,
+            dtype=dtype,
+            warm_up=False,
+            self_audit=mode,
+            max_batch_size=4,
+            torch_threads=None,
+        )
+        with tempfile.TemporaryDirectory() as records:
+            contracts.scope.user_records = lambda: Path(records)
+            started = time.perf_counter()
+            stage = DiffusionStage.func_or_class(config)
+            seconds = time.perf_counter() - started
+            stage.batching.engine.stop()
+        audit, verdict = stage.scope.self_audit, stage.scope.verdict
+        return {
+            "start_s": round(seconds, 2),
+            "self_audit": audit.model_dump() | {"reason": audit.reason},
+            "verified": verdict.verified,
+            "verified_by": verdict.by,
+            "differences": verdict.differences,
+        }
+
 
 def worker_main(conn, device: str, setting: str) -> None:
     """Serve (task, kwargs) requests until None; answers {"result": ...} or {"error": traceback}."""
@@ -472,12 +509,30 @@ def run_diffusion_speed(workers: dict, plan: Plan, rows: list, log) -> None:
                     )
 
 
+def run_self_audit(workers: dict, plan: Plan, rows: list, log) -> None:
+    """Each model's replica audits itself on the device, in the kernels-on worker (a replica installs its kernels before
+    its model loads; its control swaps them out and back in its own process)."""
+    from stages.embedded import DEFAULT_MODELS
+
+    models = (DEFAULT_MODELS["diffusion"], *(() if plan is QUICK else _models()))
+    for model in models:
+        for dtype in plan.diffusion_dtypes:
+            row = {
+                "model": model,
+                "dtype": dtype,
+                **workers["on"].call("self_audit", model=model, dtype=dtype, mode="quick"),
+            }
+            rows.append(row)
+            log(f"self-audit {model} {dtype}: {row['self_audit']['reason']} ({row['start_s']} s start)")
+
+
 SECTIONS = {
     "invariance": run_invariance,
     "linear_speed": run_linear_speed,
     "op_speed": run_op_speed,
     "diffusion_bits": run_diffusion_bits,
     "diffusion_speed": run_diffusion_speed,
+    "self_audit": run_self_audit,
 }
 
 
@@ -527,6 +582,15 @@ def checks(report: dict) -> list[dict]:
                 f"on/off >= {DIFFUSION_MIN_RATIO}",
                 "passed": ratio >= DIFFUSION_MIN_RATIO,
                 "detail": f"median {ratio} (min {row['on_over_off']['min']})",
+            }
+        )
+    for row in report["self_audit"]:
+        audit = row["self_audit"]
+        out.append(
+            {
+                "name": f"self-audit proves the replica: {row['model']} {row['dtype']}",
+                "passed": row["verified"] and audit["control_varied"] and not audit["differing"],
+                "detail": audit["reason"],
             }
         )
     for error in report["errors"]:
@@ -621,6 +685,13 @@ def markdown(report: dict) -> str:
                 _ratio(r["on_over_off"]),
             ]
             for r in report["diffusion_speed"]
+        ],
+    )
+    lines += ["## Self-audit (a replica's first start on the device)", ""] + _table(
+        ["model", "dtype", "start s", "verified", "what it said"],
+        [
+            [r["model"], r["dtype"], r["start_s"], r["verified"], r["self_audit"]["reason"]]
+            for r in report["self_audit"]
         ],
     )
     return "\n".join(lines)

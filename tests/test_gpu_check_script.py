@@ -15,7 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-SECTIONS = ("invariance", "linear_speed", "op_speed", "diffusion_bits", "diffusion_speed")
+SECTIONS = ("invariance", "linear_speed", "op_speed", "diffusion_bits", "diffusion_speed", "self_audit")
 SPREAD = {"min", "median", "max"}
 
 
@@ -60,12 +60,17 @@ def test_gpu_check_cpu_dry_run_writes_every_section(tmp_path):
     for row in report["diffusion_bits"]:
         assert row["on"]["arrangements"] == row["off"]["arrangements"] > 0 and row["on"]["differing"] == 0, row
     assert {row["path"] for row in report["diffusion_bits"]} == {"engine", "pipeline"}
+    for row in report["self_audit"]:  # the default model's replica on this CPU path, as a first start
+        audit = row["self_audit"]
+        assert audit["runs"] == 3 and not audit["reused"] and audit["differing"] == [], row
+        assert row["verified"] == audit["control_varied"], row  # proven exactly where its control varied
     _check_timed_rows(report)
     checks = report["checks"]
     assert checks and all({"name", "passed", "detail"} <= set(c) for c in checks)
     assert report["passed"] == all(c["passed"] for c in checks) and (done.returncode == 0) == report["passed"]
     names = " ".join(c["name"] for c in checks)
     assert "invariance on:" in names and "diffusion bits on:" in names and "speed F.linear bf16" in names
+    assert "self-audit proves the replica:" in names
     summary = (tmp_path / "gpu-check.md").read_text()
     assert "## Checks" in summary and "PASS" in summary and "not evidence" in summary
     assert all(f"{'PASS' if c['passed'] else 'FAIL'}  {c['name']}" in done.stdout for c in checks)
