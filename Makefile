@@ -60,7 +60,7 @@ toolchains:
 
 # ruff (lint and format) and mypy over the served packages and the drivers (evidence, training, bench, cli): clean, or
 # make test stops here.
-LINTED := contracts stages orchestration evidence training bench cli
+LINTED := contracts stages orchestration evidence training bench cli scripts
 lint: setup
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)

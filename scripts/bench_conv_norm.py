@@ -65,7 +65,7 @@ def _point(fn, repeats: int, threads: int = 1) -> dict:
         enable_batch_invariant_kernels("cpu")
         ours.append(_time(fn, calls, threads))
     disable_batch_invariant_kernels()
-    ratios = sorted(s / o for s, o in zip(stock, ours))
+    ratios = sorted(s / o for s, o in zip(stock, ours, strict=True))
     return {
         "stock_ms": statistics.median(stock) * 1e3,
         "invariant_ms": statistics.median(ours) * 1e3,

@@ -45,6 +45,7 @@ def _diffusion(dtype: str) -> float:
 
     config = DiffusionStageConfig(batch_invariant=True, dtype=dtype, torch_threads=1)
     renderer = DiffusionRenderer(config)
+    assert renderer.family is not None, "the default model is one the step engine drives"
     engine = StepEngine(renderer.family, max_batch_size=8, torch_threads=1)
 
     def batch():
@@ -81,7 +82,7 @@ def _linear() -> dict[str, float]:
         for m in (1, 64):
             x = torch.randn(m, k, generator=gen)
             F.linear(x, w)
-            out[f"linear {m}x{k} @ {k}x{n}"] = _median_seconds(lambda: F.linear(x, w), 20)
+            out[f"linear {m}x{k} @ {k}x{n}"] = _median_seconds(lambda x=x, w=w: F.linear(x, w), 20)
     return out
 
 
@@ -90,8 +91,8 @@ def _llm() -> float:
 
     from contracts.config import LLMStageConfig
     from contracts.sampling import LLMSamplingParams
-    from stages.llm.co_batched import generate_co_batched
     from stages.llm import LLMEngine, LLMRequests
+    from stages.llm.co_batched import generate_co_batched
 
     async def run() -> float:
         engine = await LLMEngine(LLMStageConfig(batch_invariant=True, torch_threads=1)).start()
@@ -170,7 +171,7 @@ def main() -> None:
             print(f"repeat {repeat + 1} {path}: done", file=sys.stderr)
     rows = []
     for metric in [k for k in runs["avx2"][0] if k not in ("path", "aten")]:
-        ratios = sorted(a[metric] / b[metric] for a, b in zip(runs["avx2"], runs["avx512"]))
+        ratios = sorted(a[metric] / b[metric] for a, b in zip(runs["avx2"], runs["avx512"], strict=True))
         rows.append(
             {
                 "metric": metric,

@@ -39,6 +39,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a file: the repository's packages must import in the workers too
@@ -163,9 +164,9 @@ def build_case(op: str, params: dict, device: str, dtype: str):
 
         return bmm, (lambda count, seed: _random((count, heads, m + n, k), seed, device, dtype))
     if op == "sdpa":  # what diffusers' attention processors call
-        shape = (3, p["heads"], p["seq"], p["dim"])
+        qkv = (3, p["heads"], p["seq"], p["dim"])
         fn = lambda x: F.scaled_dot_product_attention(x[:, 0], x[:, 1], x[:, 2])  # noqa: E731
-        return fn, (lambda count, seed: _random((count, *shape), seed, device, dtype))
+        return fn, (lambda count, seed: _random((count, *qkv), seed, device, dtype))
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -311,7 +312,7 @@ class Tasks:
         with tempfile.TemporaryDirectory() as records:
             contracts.scope.user_records = lambda: Path(records)
             started = time.perf_counter()
-            stage = DiffusionStage.func_or_class(config)
+            stage = DiffusionStage.func_or_class(config)  # type: ignore[attr-defined]  # the class under the Deployment
             seconds = time.perf_counter() - started
             stage.batching.engine.stop()
         audit, verdict = stage.scope.self_audit, stage.scope.verdict
@@ -391,7 +392,7 @@ def paired(workers: dict, name: str, repeats: int, **kwargs) -> dict:
     for repeat in range(repeats):
         for setting in SETTINGS if repeat % 2 == 0 else SETTINGS[::-1]:
             seconds[setting].append(workers[setting].call(name, **kwargs))
-    ratios = [off / on for off, on in zip(seconds["off"], seconds["on"])]
+    ratios = [off / on for off, on in zip(seconds["off"], seconds["on"], strict=True)]
     return {
         "seconds_off": spread(seconds["off"], 7),
         "seconds_on": spread(seconds["on"], 7),
@@ -719,7 +720,7 @@ def run(
     from evidence.report import environment
 
     started = time.perf_counter()
-    report = {
+    report: dict[str, Any] = {
         "schema": SCHEMA,
         "device": device,
         "device_info": device_info(device),

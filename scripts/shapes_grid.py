@@ -50,9 +50,9 @@ def main() -> None:
     rows = -(-len(PROMPTS) // COLUMNS)
     grid = Image.new("RGB", (COLUMNS * CELL, rows * (CELL + LABEL)), "white")
     pen = ImageDraw.Draw(grid)
-    for i, (prompt, image) in enumerate(zip(PROMPTS, images)):
+    for i, (prompt, image) in enumerate(zip(PROMPTS, images, strict=True)):
         x, y = (i % COLUMNS) * CELL, (i // COLUMNS) * (CELL + LABEL)
-        grid.paste(Image.fromarray(np.asarray(image)).resize((CELL, CELL), Image.NEAREST), (x, y))
+        grid.paste(Image.fromarray(np.asarray(image)).resize((CELL, CELL), Image.Resampling.NEAREST), (x, y))
         for line, text in enumerate(textwrap.wrap(prompt, width=22)):
             pen.text((x + 2, y + CELL + 2 + 12 * line), text, fill="black")
     args.out.parent.mkdir(parents=True, exist_ok=True)

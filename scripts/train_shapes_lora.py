@@ -40,7 +40,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         trained = Path(scratch) / plan.name
         record = train_adapter(
-            load_tiny_pipeline("shapes"), plan, trained / WEIGHTS,
+            load_tiny_pipeline("shapes"),
+            plan,
+            trained / WEIGHTS,
             log=lambda line: print(f"[{time.perf_counter() - started:6.0f}s] {line}"),
         )
         weights = trained / WEIGHTS
