@@ -133,29 +133,28 @@ class _Plan:
 
         return [np.asarray(image) for image in engine.render([self.sample(r) for r in requests])]
 
+    def run(self, engine) -> tuple[int, list[str], int]:
+        """(arrangements where something differed from solo, the cases that did with their counts, the differing
+        elements in all); `full` also compares every neighbour with its own solo render."""
+        solo = self.render(engine, [self.target])[0]
+        solos = {r[0]: self.render(engine, [r])[0] for r in self.neighbours} if self.mode == "full" else {}
+        varied, cases, elements = 0, [], 0
+        for name, requests, at in self.arrangements:
+            images = self.render(engine, requests)
+            found = [(f"{name}: target", _differing(images[at], solo))]
+            found += [
+                (f"{name}: {r[0]!r}", _differing(image, solos[r[0]]))
+                for r, image in zip(requests, images, strict=True)
+                if r[0] in solos
+            ]
+            cases += [f"{case} ({count} of {images[at].size} elements)" for case, count in found if count]
+            varied += any(count for _, count in found)
+            elements += sum(count for _, count in found)
+        return varied, cases, elements
+
 
 def _differing(a, b) -> int:
     return int((a != b).sum()) if a.shape == b.shape else int(a.size)
-
-
-def _run(plan: _Plan, engine) -> tuple[int, list[str], int]:
-    """(arrangements where something differed from solo, the cases that did with their counts, the differing
-    elements in all); `full` also compares every neighbour with its own solo render."""
-    solo = plan.render(engine, [plan.target])[0]
-    solos = {r[0]: plan.render(engine, [r])[0] for r in plan.neighbours} if plan.mode == "full" else {}
-    varied, cases, elements = 0, [], 0
-    for name, requests, at in plan.arrangements:
-        images = plan.render(engine, requests)
-        found = [(f"{name}: target", _differing(images[at], solo))]
-        found += [
-            (f"{name}: {r[0]!r}", _differing(image, solos[r[0]]))
-            for r, image in zip(requests, images, strict=True)
-            if r[0] in solos
-        ]
-        cases += [f"{case} ({count} of {images[at].size} elements)" for case, count in found if count]
-        varied += any(count for _, count in found)
-        elements += sum(count for _, count in found)
-    return varied, cases, elements
 
 
 def self_audit(renderer, engine, configuration: Configuration, *, config, replica: str) -> SelfAudit | None:
@@ -170,9 +169,9 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
         return SelfAudit(mode=mode, control_varied=True, record=reused.name, reused=True)
     started = time.monotonic()
     plan = _Plan(renderer, mode, batch_size)
-    _, differing, elements = _run(plan, engine)
+    _, differing, elements = plan.run(engine)
     with stock_kernels(renderer.device):
-        control_runs, _, _ = _run(plan, engine)
+        control_runs, _, _ = plan.run(engine)
     runs = len(plan.arrangements)
     audit = SelfAudit(
         mode=mode,

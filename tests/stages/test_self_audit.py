@@ -127,3 +127,11 @@ def test_control_the_same_replica_without_the_fault_is_proven(user_records):
     with replica() as stage:
         audit = proven(stage)
         assert audit.differing == [] and stage.scope.verdict.verified
+
+
+def test_full_mode_covers_three_orderings_and_the_neighbours_and_its_record_serves_a_quick_start(user_records):
+    with replica(self_audit="full") as full:
+        audit = proven(full)
+        assert audit.mode == "full" and audit.runs == 9 and audit.differing == []
+    with replica(self_audit="quick") as quick:  # a full record covers what quick would render
+        assert quick.scope.self_audit.reused and quick.scope.self_audit.record == audit.record
