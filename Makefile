@@ -36,7 +36,8 @@ endif
 serve: setup
 	OMNI_LLM_BATCH_INVARIANT=$${OMNI_LLM_BATCH_INVARIANT-1} OMNI_DIFFUSION_BATCH_INVARIANT=$${OMNI_DIFFUSION_BATCH_INVARIANT-1} \
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=$${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER-0} \
-		exec $(BIN)/python -m cli.run $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) examples.omni_app:app
+		exec $(BIN)/python -m cli.run $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) \
+		$(if $(DRAIN_TIMEOUT_S),--drain-timeout-s $(DRAIN_TIMEOUT_S)) examples.omni_app:app
 
 # The browser the playground test drives (tests/orchestration/test_playground.py): Debian's chromium and its
 # driver, installed through apt-get when missing and we are root; otherwise we say what to install and the test

@@ -86,6 +86,9 @@ class StageHealth(BaseModel):
     # its verdict and, when unverified, why. Informative: an unverified replica still serves (unless strict).
     verified: bool | None = None
     scope: dict[str, Verdict] | None = None
+    # Per replica, its start-up self-audit (stages/diffusion/self_audit.py): mode, runs, seconds, whether the control
+    # varied, the differing cases, the record written or reused; null where it ran none (LLM, invariance off).
+    self_audit: dict[str, Any] | None = None
 
 
 class HealthResponse(BaseModel):
@@ -184,6 +187,7 @@ def stage_health(switch: bool, wanted: int, replicas: dict[str, Any], answers: A
                     )
                     for a in answers
                 },
+                self_audit={a.replica or "unknown": redact(a.details.get("self_audit")) for a in answers},
             )
         )
     return health

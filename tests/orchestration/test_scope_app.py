@@ -20,6 +20,22 @@ def test_health_reports_the_stage_and_every_replica_verified(http, stage):
     assert report["scope"] and all(v["verified"] and v["differences"] == [] and v["by"] for v in report["scope"].values())
 
 
+def test_health_shows_each_diffusion_replicas_self_audit_and_what_it_proved(http):
+    report = http.get("/health").json()["stages"]
+    audits, scope = report["diffusion"]["self_audit"], report["diffusion"]["scope"]
+    assert audits and set(audits) == set(scope), (audits, scope)
+    for replica, audit in audits.items():
+        assert audit["mode"] == "quick" and audit["differing"] == [], audit
+        if audit["reused"]:  # an earlier start of this configuration proved it (the other replica, or a module)
+            assert audit["runs"] == 0 and scope[replica]["by"].startswith(f"self-audit record {audit['record']}")
+        elif audit["control_varied"]:
+            assert audit["runs"] == 3 and audit["seconds"] > 0 and audit["record"], audit  # batch sizes 2-4
+            assert scope[replica]["by"].startswith(f"self-audit record {audit['record']}"), scope[replica]
+        else:  # measured on a path where the stock control does not vary: it proves nothing, the records decide
+            assert "proves nothing here" in audit["reason"] and audit["record"] is None, audit
+    assert set(report["llm"]["self_audit"].values()) == {None}  # the LLM stage audits nothing at start-up
+
+
 def test_the_llm_without_a_record_is_unverified_and_says_why(http):
     if not record_gap("llm"):
         pytest.skip("a shipped record covers the default LLM: it is verified (the test above)")
