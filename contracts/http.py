@@ -23,12 +23,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -535,6 +537,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: None = None  # required by OpenAI's schema (nullable): this model never refuses in words
 
 
 class ChatChoice(BaseModel):
@@ -561,8 +564,17 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChunkDelta(BaseModel):
-    role: Literal["assistant"] | None = None  # the first chunk's only
+    role: Literal["assistant"] | None = (
+        None  # the first chunk's only: absent from the others (no null in OpenAI's schema)
+    )
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _role_only_where_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("role") is None:
+            body.pop("role", None)
+        return body
 
 
 class ChunkChoice(BaseModel):

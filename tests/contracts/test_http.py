@@ -472,3 +472,14 @@ def test_only_a_requests_own_validation_error_is_the_clients():
     with pytest.raises(ValidationError) as response:
         ImagesResponse(created=0, data=[], model="m", size="64x64", invariance={"llm": 1})
     assert is_request_error(request.value) and not is_request_error(response.value)
+
+
+def test_chat_bodies_say_what_openais_published_schema_requires():
+    # Found by scripts/check_openai_document.py against OpenAI's OpenAPI document 2.3.0: a message's `refusal` is
+    # required (nullable), and a chunk's delta `role` is a string where present (no null): later chunks leave it out.
+    from contracts.http import AssistantMessage, ChunkDelta
+
+    assert json.loads(AssistantMessage(content="hi").model_dump_json()) == {
+        "role": "assistant", "content": "hi", "refusal": None}
+    assert json.loads(ChunkDelta(content="x").model_dump_json()) == {"content": "x"}
+    assert json.loads(ChunkDelta(role="assistant", content="").model_dump_json()) == {"role": "assistant", "content": ""}
