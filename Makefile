@@ -9,7 +9,7 @@ EXTRA  ?= cpu
 PIP_OPTS ?=
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: serve test setup browser toolchains lint
+.PHONY: serve test setup browser toolchains openai-ts lint
 # The C++ batch-invariant kernels are compiled once into the user cache (a no-op when cached),
 # so no server or test compiles on its first request.
 setup: $(STAMP)
@@ -50,6 +50,30 @@ browser:
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(BROWSER_PACKAGES) >/dev/null; \
 	else echo "make browser: chromium and chromedriver are missing; install them as root: apt-get install $(BROWSER_PACKAGES)" >&2; fi
 
+# OpenAI's TypeScript SDK, which tests/orchestration/test_openai_ts.py drives against the app: Node from Debian's nodejs
+# and npm, installed like the browser (through apt-get when missing and we are root), then `npm ci` of the exact version
+# tests/clients/openai_ts/package-lock.json pins into build/openai-ts (ignored by git), again only when that lock or
+# package.json changed. Otherwise we say what is missing, and the test fails with the same words.
+NODE_PACKAGES := nodejs npm
+OPENAI_TS_SRC := tests/clients/openai_ts
+OPENAI_TS_DIR := build/openai-ts
+openai-ts:
+	@if command -v node >/dev/null && command -v npm >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing $(NODE_PACKAGES) (apt-get)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(NODE_PACKAGES) >/dev/null; \
+	fi; \
+	if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+		echo "make openai-ts: node and npm are missing; install them as root: apt-get install $(NODE_PACKAGES)" >&2; \
+	elif ! cat $(OPENAI_TS_SRC)/package.json $(OPENAI_TS_SRC)/package-lock.json | cmp -s - $(OPENAI_TS_DIR)/.installed; then \
+		echo "installing the openai TypeScript SDK (npm ci into $(OPENAI_TS_DIR))"; \
+		rm -rf $(OPENAI_TS_DIR) && mkdir -p $(OPENAI_TS_DIR) && \
+		cp $(OPENAI_TS_SRC)/package.json $(OPENAI_TS_SRC)/package-lock.json $(OPENAI_TS_SRC)/.npmrc $(OPENAI_TS_DIR)/ && \
+		(cd $(OPENAI_TS_DIR) && npm ci) && \
+		cat $(OPENAI_TS_SRC)/package.json $(OPENAI_TS_SRC)/package-lock.json > $(OPENAI_TS_DIR)/.installed || \
+		echo "make openai-ts: npm ci into $(OPENAI_TS_DIR) failed (see above); the TypeScript SDK test will fail until it succeeds" >&2; \
+	fi
+
 # Debian's aarch64 cross compiler: the kernel tests compile the generic path for aarch64 (an object file; nothing
 # runs it here). Installed like the browser: through apt-get when missing and we are root, else the test says so.
 toolchains:
@@ -72,7 +96,7 @@ lint: setup
 # generic and, on AVX-512 machines, avx512 forced), ATen, oneDNN and MKL held to the same level; tests that cover
 # every path themselves (`path_independent`) run once.
 PATH_TESTS := tests/stages/test_kernels.py tests/stages/test_conv3d.py tests/stages/test_step_engine.py tests/stages/test_video_engine.py tests/stages/test_step_cache.py tests/test_golden.py
-test: setup browser toolchains lint
+test: setup browser toolchains openai-ts lint
 	$(BIN)/python -m pytest
 	@for isa in $$($(BIN)/python -c "from contracts import cpu; print(*(i for i in cpu.supported_isas() if i != cpu.cpu_isa()))"); do \
 		echo "== kernel path $$isa: $(PATH_TESTS)"; \
