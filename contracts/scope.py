@@ -165,6 +165,11 @@ class SelfAudit(_Data):
 
     @property
     def reason(self) -> str:
+        if self.reused and not self.control_varied:
+            return (
+                f"self-audit reused an earlier start's finding ({self.record}): no stock control varied on this "
+                "device, so its 0 differing proves nothing here"
+            )
         if self.reused:
             return f"self-audit reused its record {self.record}"
         if self.differing:
@@ -252,13 +257,19 @@ def write_record(record: ScopeRecord, directory: Path) -> Path:
     if not record.valid:
         raise ValueError("a record whose control did not vary, or whose kernels-on runs differed, verifies nothing")
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / record.name
+    return write_atomically(directory / record.name, record)
+
+
+def write_atomically(path: Path, record: ScopeRecord) -> Path:
+    """The record's JSON at `path`, whole or not at all: replicas auditing side by side never read half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     partial.write_text(json.dumps(record.model_dump(mode="json"), indent=1, sort_keys=True) + "\n")
-    partial.replace(path)  # atomic: replicas auditing side by side never read half a record
+    partial.replace(path)
     return path
 
 
+INVALID_RECORD = "the record's control did not vary or its kernels-on runs differed"
 #: What a record must equal. Not the model's name or path: the same weights served from another directory, or under
 #: another name, compute the same bits (`weights` is their content's digest); the name is kept for readers.
 _LABELS = {
@@ -298,7 +309,7 @@ def differences(mine: Configuration, record: ScopeRecord, *, batch_size: int, si
     if size is not None and size not in record.coverage.sizes:
         found.append(f"size {size} not audited (audited {_short(record.coverage.sizes)})")
     if not record.valid:
-        found.append("the record's control did not vary or its kernels-on runs differed")
+        found.append(INVALID_RECORD)
     return found
 
 

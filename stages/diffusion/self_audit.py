@@ -21,12 +21,14 @@ import contextlib
 import datetime
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import contracts.scope
 from contracts import envs
 from contracts.sampling import DiffusionSamplingParams
 from contracts.scope import (
+    INVALID_RECORD,
     AuditResult,
     Configuration,
     Coverage,
@@ -34,6 +36,7 @@ from contracts.scope import (
     SelfAudit,
     differences,
     load_records,
+    write_atomically,
     write_record,
 )
 
@@ -83,16 +86,20 @@ def leave_kernels_out_under_test_fault(batch_invariant: bool) -> None:
         disable_batch_invariant_kernels()
 
 
+def _inconclusive() -> Path:
+    """Where a self-audit whose control never varied keeps its finding: not a record (it proves nothing, and
+    `load_records` never reads this folder), but the next start of the same configuration need not render it again."""
+    return contracts.scope.user_records() / "inconclusive"  # looked up per call: tests point it elsewhere
+
+
 def _reusable(configuration: Configuration, mode: str, batch_size: int, size: str) -> ScopeRecord | None:
-    """An earlier start's self-audit record that covers this configuration at least as this mode would."""
-    # user_records looked up per call: tests point it elsewhere
-    for record in load_records([contracts.scope.user_records()]):
-        if (
-            record.by_self_audit
-            and set(ORDERINGS[mode]) <= set(record.coverage.orderings)
-            and not differences(configuration, record, batch_size=batch_size, size=size)
-        ):
-            return record
+    """An earlier start's self-audit record (or inconclusive finding) that covers this configuration at least as this
+    mode would. A finding of differences is never kept: a replica that differed audits again at its next start."""
+    for record in load_records([contracts.scope.user_records(), _inconclusive()]):
+        gaps = differences(configuration, record, batch_size=batch_size, size=size)
+        if record.by_self_audit and set(ORDERINGS[mode]) <= set(record.coverage.orderings):
+            if not [gap for gap in gaps if gap != INVALID_RECORD or record.result.differing_with_kernels_on]:
+                return record
     return None
 
 
@@ -166,7 +173,7 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
     size = f"{renderer.defaults['width']}x{renderer.defaults['height']}"
     reused = _reusable(configuration, mode, batch_size, size)
     if reused is not None:
-        return SelfAudit(mode=mode, control_varied=True, record=reused.name, reused=True)
+        return SelfAudit(mode=mode, control_varied=reused.valid, record=reused.name, reused=True)
     started = time.monotonic()
     plan = _Plan(renderer, mode, batch_size)
     _, differing, elements = plan.run(engine)
@@ -202,4 +209,6 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
     if record.valid:
         write_record(record, contracts.scope.user_records())
         return audit.model_copy(update={"record": record.name})
+    if not differing:  # inconclusive: kept so that the next start does not render it again
+        write_atomically(_inconclusive() / record.name, record)
     return audit

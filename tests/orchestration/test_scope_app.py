@@ -26,8 +26,12 @@ def test_health_shows_each_diffusion_replicas_self_audit_and_what_it_proved(http
     assert audits and set(audits) == set(scope), (audits, scope)
     for replica, audit in audits.items():
         assert audit["mode"] == "quick" and audit["differing"] == [], audit
-        if audit["reused"]:  # an earlier start of this configuration proved it (the other replica, or a module)
-            assert audit["runs"] == 0 and scope[replica]["by"].startswith(f"self-audit record {audit['record']}")
+        if audit["reused"]:  # an earlier start of this configuration audited it (the other replica, or a module)
+            assert audit["runs"] == 0 and audit["record"], audit
+            if audit["control_varied"]:
+                assert scope[replica]["by"].startswith(f"self-audit record {audit['record']}"), scope[replica]
+            else:
+                assert "proves nothing here" in audit["reason"], audit
         elif audit["control_varied"]:
             assert audit["runs"] == 3 and audit["seconds"] > 0 and audit["record"], audit  # batch sizes 2-4
             assert scope[replica]["by"].startswith(f"self-audit record {audit['record']}"), scope[replica]

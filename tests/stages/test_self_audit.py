@@ -135,3 +135,23 @@ def test_full_mode_covers_three_orderings_and_the_neighbours_and_its_record_serv
         assert audit.mode == "full" and audit.runs == 9 and audit.differing == []
     with replica(self_audit="quick") as quick:  # a full record covers what quick would render
         assert quick.scope.self_audit.reused and quick.scope.self_audit.record == audit.record
+
+
+def test_a_finding_that_proves_nothing_is_kept_apart_and_not_rendered_again(user_records, monkeypatch):
+    import contextlib
+
+    import stages.diffusion.self_audit
+
+    # The control with the kernels left in: it cannot vary, as on a device where stock computes batch-free bits.
+    monkeypatch.setattr(stages.diffusion.self_audit, "stock_kernels", lambda device: contextlib.nullcontext())
+    with replica() as first:
+        audit = first.scope.self_audit
+        assert audit.runs == 3 and not audit.control_varied and audit.record is None and not audit.reused
+        assert "proves nothing here" in audit.reason
+        assert not any(d.startswith("self-audit") for d in first.scope.verdict.differences)  # the records decide
+    assert not list(user_records.glob("*.json"))  # no record: it verifies nothing
+    (kept,) = (user_records / "inconclusive").iterdir()
+    with replica() as second:
+        again = second.scope.self_audit
+        assert again.reused and again.runs == 0 and not again.control_varied and again.record == kept.name
+        assert "proves nothing here" in again.reason
