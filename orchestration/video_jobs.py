@@ -31,7 +31,7 @@ from contracts.admission import admit_diffusion_params
 from contracts.config import VideoStageConfig
 from contracts.errors import InvalidRequestError, ModelNotFoundError, NotFoundError, QueueFullError
 from contracts.jobs import RenderJob
-from contracts.results import RenderedVideo, RenderProgress, StageDescription
+from contracts.results import RenderCheckpoint, RenderedVideo, RenderProgress, StageDescription
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import seed_or_picked
 from contracts.videos import Video, VideoCreateRequest, VideoDeleted, VideoError, clip_seconds
@@ -77,6 +77,9 @@ class _Job:
     task: asyncio.Task | None = None
     mp4: bytes = b""
     expires: float | None = None  # time.monotonic() past which it is dropped; None: not finished
+    checkpoint: RenderCheckpoint | None = (
+        None  # its render's last step-boundary state (`VideoStageConfig.checkpoint_every`)
+    )
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -88,6 +91,7 @@ class VideoJobs:
         self.pipeline = ImagePipeline(llm, video, retrying, RewriteCache(config.rewrite_cache_entries))
         self.jobs: OrderedDict[str, _Job] = OrderedDict()  # oldest first
         self.bytes = 0
+        self.resumed = 0  # renders sent again from a checkpoint (not from their first step)
 
     async def create(self, plan: VideoPlan, model: str) -> Video:
         params = cast(
@@ -150,6 +154,7 @@ class VideoJobs:
             "bytes": self.bytes,
             "max_jobs": self.config.max_jobs,
             "retried": retried,
+            "resumed": self.resumed,
         }
 
     async def _run(self, job: _Job, plan: VideoPlan, params: DiffusionSamplingParams) -> None:
@@ -157,16 +162,24 @@ class VideoJobs:
             rewrite, origin = await self.pipeline.origin(plan.prompt, plan.llm_params)
             prompt = rewrite.revised_prompt if rewrite else plan.prompt
             job.video = job.video.updated(status="in_progress", revised_prompt=prompt)
-            render = RenderJob(prompt=prompt, params=params, origin=origin)
-            # A replica lost mid-render: the render starts again on another (the same bytes: a function of the request),
-            # its progress from the first step; nothing has reached the client but progress.
+            render = RenderJob(
+                prompt=prompt, params=params, origin=origin, checkpoint_every=self.config.checkpoint_every
+            )
+
+            def send() -> DeploymentResponseGenerator:  # from its last checkpoint, if it has one
+                resumed = render.model_copy(update={"resume": job.checkpoint})
+                self.resumed += job.checkpoint is not None
+                return cast(DeploymentResponseGenerator, self.video.options(stream=True).render.remote(resumed))
+
+            # A replica lost mid-render: the render goes on on another from its last checkpoint (the same bytes: a
+            # function of the request), its progress from there; nothing has reached the client but progress.
             async for item in self.pipeline.retrying.stream(
-                "a video",
-                lambda: cast(DeploymentResponseGenerator, self.video.options(stream=True).render.remote(render)),
-                restart=True,
+                "a video", send, restart=True, last=lambda item: isinstance(item, RenderedVideo)
             ):
                 if isinstance(item, RenderProgress):
                     job.video = job.video.updated(progress=min(RENDERED_PROGRESS, 100 * item.step // item.steps))
+                elif isinstance(item, RenderCheckpoint):
+                    job.checkpoint = item
                 else:
                     self._completed(job, cast(RenderedVideo, item))
         except asyncio.CancelledError:
@@ -186,7 +199,7 @@ class VideoJobs:
     def _completed(self, job: _Job, made: RenderedVideo) -> None:
         while self.bytes + len(made.mp4) > self.config.store_mib << 20 and (oldest := self._oldest_finished()):
             self._drop(oldest)
-        job.mp4, self.bytes = made.mp4, self.bytes + len(made.mp4)
+        job.mp4, self.bytes, job.checkpoint = made.mp4, self.bytes + len(made.mp4), None
         job.expires = time.monotonic() + self.config.ttl_s
         job.video = job.video.updated(
             status="completed",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, cast
 
 from ray import serve
@@ -77,16 +78,25 @@ class DiffusionStage:
         `options(stream=True)`; `contracts.jobs.final_image` takes the image alone.
 
         Previews come from the step engine only (whole-request batching has no step to show: the image alone)."""
-        async for item in updates_then_result(self._render, self._job(job)):
+        async for item in updates_then_result(self._render, self._job(job), made_by=self.identity):
             yield item
 
     def _job(self, job: RenderJob) -> Job:
         admitted = self.admission.job(job)
         # Strict: audited sizes only. The params are resolved: the size is set.
         self.scope.admit(cast(int, admitted.params.width), cast(int, admitted.params.height))
-        return admitted
+        # A checkpoint of this stage's identity goes on from its step; of another: anew.
+        resume = job.resume.state if job.resume is not None and job.resume.made_by == self.identity else None
+        return replace(admitted, checkpoint_every=job.checkpoint_every, resume=resume)
 
-    async def _render(self, job: Job, on_preview=None, on_step=None) -> Any:
+    @property
+    def identity(self) -> str:
+        """What a checkpoint must have been made by to be resumed here: what decides the bits (the scope's
+        configuration: model, weights, dtype, device, kernel path, versions, kernels, threads) and the switch."""
+        made_by = f"{self.scope.configuration.model_dump_json()} {self.batch_invariant}"
+        return hashlib.sha256(made_by.encode()).hexdigest()
+
+    async def _render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> Any:
         """Render an admitted job; past `max_queued` requests in flight, QueueFullError."""
         if self.in_flight >= self.config.max_queued:
             raise QueueFullError(
@@ -96,7 +106,7 @@ class DiffusionStage:
         self.in_flight += 1
         try:
             with timed_stage_call("diffusion", method):
-                return image_counted(method, await self.batching.render(job, on_preview, on_step))
+                return image_counted(method, await self.batching.render(job, on_preview, on_step, on_checkpoint))
         finally:
             self.in_flight -= 1
 

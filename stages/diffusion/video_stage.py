@@ -50,7 +50,7 @@ class VideoStage(DiffusionStage.func_or_class):  # type: ignore[name-defined]  #
     async def render(self, job: RenderJob):
         """A video job as a stream: its progress after each step, then its RenderedVideo. Call it through a handle with
         `options(stream=True)`."""
-        async for item in updates_then_result(self._render, self._job(job), progress=True):
+        async for item in updates_then_result(self._render, self._job(job), progress=True, made_by=self.identity):
             yield item
 
     async def admit(self, job: RenderJob) -> DiffusionSamplingParams:
