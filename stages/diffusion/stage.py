@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any, cast
 
 from ray import serve
@@ -30,6 +29,7 @@ from stages.scope import diffusion_configuration, diffusion_scope
 
 from .admission import Admission
 from .batching import RequestBatching, StepBatching, updates_then_result
+from .engine.checkpoint import made_by
 from .renderer import DiffusionRenderer, Job, check_serves, encode_png, request_rules
 from .self_audit import self_audit
 from .self_check import diffusion_self_check
@@ -54,9 +54,10 @@ class DiffusionStage:
         self.replica = replica_id()
         step = self.config.batching == "step" and self.renderer.family is not None
         self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config, self._rendered)
-        self.admission = Admission(self.renderer, batch_invariant, step_engine=step)
-        # Strict: refuses here. A step replica checks itself against the golden table first (a second or so).
         configuration = diffusion_configuration(self.renderer, self.batching.mode)
+        identity = made_by(configuration, batch_invariant)  # whose checkpoints it resumes, and what its own say
+        self.admission = Admission(self.renderer, batch_invariant, step_engine=step, identity=identity)
+        # Strict: refuses here. A step replica checks itself against the golden table first (a second or so).
         engine = getattr(self.batching, "engine", None)
         check = (
             diffusion_self_check(self.renderer, engine, configuration)
@@ -78,23 +79,14 @@ class DiffusionStage:
         `options(stream=True)`; `contracts.jobs.final_image` takes the image alone.
 
         Previews come from the step engine only (whole-request batching has no step to show: the image alone)."""
-        async for item in updates_then_result(self._render, self._job(job), made_by=self.identity):
+        async for item in updates_then_result(self._render, self._job(job), made_by=self.admission.identity):
             yield item
 
     def _job(self, job: RenderJob) -> Job:
         admitted = self.admission.job(job)
         # Strict: audited sizes only. The params are resolved: the size is set.
         self.scope.admit(cast(int, admitted.params.width), cast(int, admitted.params.height))
-        # A checkpoint of this stage's identity goes on from its step; of another: anew.
-        resume = job.resume.state if job.resume is not None and job.resume.made_by == self.identity else None
-        return replace(admitted, checkpoint_every=job.checkpoint_every, resume=resume)
-
-    @property
-    def identity(self) -> str:
-        """What a checkpoint must have been made by to be resumed here: what decides the bits (the scope's
-        configuration: model, weights, dtype, device, kernel path, versions, kernels, threads) and the switch."""
-        made_by = f"{self.scope.configuration.model_dump_json()} {self.batch_invariant}"
-        return hashlib.sha256(made_by.encode()).hexdigest()
+        return admitted
 
     async def _render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> Any:
         """Render an admitted job; past `max_queued` requests in flight, QueueFullError."""
