@@ -198,6 +198,10 @@ class VideoStageConfig(DiffusionStageConfig):
     max_queued: Annotated[int, Field(ge=1)] = 16
     fps: Annotated[int, Field(ge=1, le=60)] = 8  # of the MP4; a request's `seconds` are seconds x fps + 1 frames
     max_frames: Annotated[int, Field(ge=1, le=MAX_FRAMES)] = 33
+    # A video's whole state every this many denoising steps, kept by its job: a replica lost mid-render, the render
+    # goes on from its last checkpoint on another replica instead of from its first step (0: none). Its cost: the
+    # state's bytes (the latents, the scheduler's) once per so many steps, small beside a step of a video.
+    checkpoint_every: Annotated[int, Field(ge=0)] = 4
     # The jobs (`/v1/videos`): at most `max_jobs` kept, finished ones dropped oldest first for a new one (none
     # finished: 503); each kept `ttl_s` after it finished; the MP4s kept at most `store_mib` (oldest dropped first).
     max_jobs: Annotated[int, Field(ge=1)] = 32

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterable
 from typing import Any
 
-from pydantic import StrictBytes, StrictStr
+from pydantic import NonNegativeInt, StrictBytes, StrictStr
 
 from .provenance import ImageOrigin
-from .results import RenderedImage
+from .results import RenderCheckpoint, RenderedImage
 from .sampling import Contract, DiffusionSamplingParams, PartialImages
 
 
@@ -26,6 +26,10 @@ class RenderJob(Contract):
     origin: ImageOrigin | None = None  # the client's prompt and its rewrite, for the PNG's record
     image: StrictBytes | None = None  # an edit's input image, as the client sent it (None: a generation)
     partial_images: PartialImages = 0  # previews to send before the image (streaming)
+    # A RenderCheckpoint in the stream every this many steps (0: none), and one to resume from (None: from the start):
+    # a render moved to another replica goes on from its last checkpoint (a video job's, `orchestration.video_jobs`).
+    checkpoint_every: NonNegativeInt = 0
+    resume: RenderCheckpoint | None = None
 
     @property
     def kind(self) -> str:

@@ -134,6 +134,17 @@ class RenderProgress(Result):
     steps: int
 
 
+class RenderCheckpoint(Result):
+    """A render's whole state after `step` of its `steps` steps (`stages.diffusion.engine.checkpoint`), sent in its
+    stream when its job asks (`RenderJob.checkpoint_every`). A replica of the same stage identity (`made_by`: model,
+    switch and kernels) resumes it from there with the uninterrupted render's bytes; another starts it anew."""
+
+    step: int
+    steps: int
+    state: bytes
+    made_by: str
+
+
 class StageDescription(Provenance):
     """A replica's own view of itself, for /health and /v1/models."""
 

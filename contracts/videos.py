@@ -119,6 +119,8 @@ class Video(BaseModel):
     batch_invariant: bool
     verified: bool | None = None
     verified_by: str | None = None
+    # The step its render last went on from, on another replica, after its replica was lost (None: it never did).
+    resumed_from_step: int | None = None
 
     def updated(self, **fields: Any) -> Video:
         return self.model_copy(update=fields)

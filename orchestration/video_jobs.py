@@ -13,11 +13,16 @@ must be where every one of them finds it. Bounded: at most `max_jobs` jobs (a ne
 none finished: 503), each kept `ttl_s` after it finished, the MP4s at most `store_mib` (the oldest finished dropped
 first; a single MP4 over the bound is kept alone). Ids are 128 random bits and nothing lists other clients' jobs. A
 lost replica loses its jobs (Serve starts a new, empty one): the seed and the request reproduce a video bit for bit.
+
+A lost video stage replica costs a job the steps since its last checkpoint: the job keeps its render's latest
+step-boundary state (a RenderCheckpoint every `VideoStageConfig.checkpoint_every` steps) and sends it with the render
+again; a replica of the same identity goes on from that step (the same bytes), another starts anew.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -31,7 +36,7 @@ from contracts.admission import admit_diffusion_params
 from contracts.config import VideoStageConfig
 from contracts.errors import InvalidRequestError, ModelNotFoundError, NotFoundError, QueueFullError
 from contracts.jobs import RenderJob
-from contracts.results import RenderedVideo, RenderProgress, StageDescription
+from contracts.results import RenderCheckpoint, RenderedVideo, RenderProgress, StageDescription
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import seed_or_picked
 from contracts.videos import Video, VideoCreateRequest, VideoDeleted, VideoError, clip_seconds
@@ -40,6 +45,8 @@ from .config import AppConfig
 from .errors import http_error
 from .pipeline import ImagePipeline, RewriteCache
 from .retries import Retrying
+
+logger = logging.getLogger("ray.serve")
 
 #: Progress while rendering: the steps done, up to this; the encoding and hand-over after the last step take the rest.
 RENDERED_PROGRESS = 99
@@ -77,6 +84,33 @@ class _Job:
     task: asyncio.Task | None = None
     mp4: bytes = b""
     expires: float | None = None  # time.monotonic() past which it is dropped; None: not finished
+    # Its render's last step-boundary state (`VideoStageConfig.checkpoint_every`), sent with the render again when its
+    # replica is lost; and the step the last such send asked to go on from, until its first progress says if it did.
+    checkpoint: RenderCheckpoint | None = None
+    resuming: int | None = None
+
+    def sent(self, render: RenderJob) -> RenderJob:
+        """`render` as it is sent now: from its last checkpoint, where it has one."""
+        self.resuming = None if self.checkpoint is None else self.checkpoint.step
+        return render.model_copy(update={"resume": self.checkpoint})
+
+    def progressed(self, item: RenderProgress) -> bool:
+        """Its progress after a step; True where this is a send's first and it went on from the checkpoint sent (its
+        first step is then the checkpoint's next; a replica of another identity starts at step 1)."""
+        resumed = self.resuming is not None and item.step > self.resuming
+        if self.resuming is not None and not resumed:
+            logger.warning(
+                "video %s: its checkpoint after step %d was not taken, rendered anew", self.video.id, self.resuming
+            )
+        update = {"resumed_from_step": self.resuming} if resumed else {}
+        self.video = self.video.updated(progress=min(RENDERED_PROGRESS, 100 * item.step // item.steps), **update)
+        self.resuming = None
+        return resumed
+
+    def finished(self, ttl_s: float, **fields: Any) -> None:
+        """Completed or failed (`fields` say which and how): kept `ttl_s` from now, its checkpoint let go."""
+        self.checkpoint, self.expires = None, time.monotonic() + ttl_s
+        self.video = self.video.updated(completed_at=int(time.time()), expires_at=int(time.time() + ttl_s), **fields)
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -88,6 +122,7 @@ class VideoJobs:
         self.pipeline = ImagePipeline(llm, video, retrying, RewriteCache(config.rewrite_cache_entries))
         self.jobs: OrderedDict[str, _Job] = OrderedDict()  # oldest first
         self.bytes = 0
+        self.resumed = 0  # renders that went on from a checkpoint on another replica (not from their first step)
 
     async def create(self, plan: VideoPlan, model: str) -> Video:
         params = cast(
@@ -150,6 +185,7 @@ class VideoJobs:
             "bytes": self.bytes,
             "max_jobs": self.config.max_jobs,
             "retried": retried,
+            "resumed": self.resumed,
         }
 
     async def _run(self, job: _Job, plan: VideoPlan, params: DiffusionSamplingParams) -> None:
@@ -157,42 +193,43 @@ class VideoJobs:
             rewrite, origin = await self.pipeline.origin(plan.prompt, plan.llm_params)
             prompt = rewrite.revised_prompt if rewrite else plan.prompt
             job.video = job.video.updated(status="in_progress", revised_prompt=prompt)
-            render = RenderJob(prompt=prompt, params=params, origin=origin)
-            # A replica lost mid-render: the render starts again on another (the same bytes: a function of the request),
-            # its progress from the first step; nothing has reached the client but progress.
+            render = RenderJob(
+                prompt=prompt, params=params, origin=origin, checkpoint_every=self.config.checkpoint_every
+            )
+
+            def send() -> DeploymentResponseGenerator:
+                return cast(
+                    DeploymentResponseGenerator, self.video.options(stream=True).render.remote(job.sent(render))
+                )
+
+            # A replica lost mid-render: the render goes on on another from its last checkpoint (the same bytes: a
+            # function of the request), its progress from there; nothing has reached the client but progress.
             async for item in self.pipeline.retrying.stream(
-                "a video",
-                lambda: cast(DeploymentResponseGenerator, self.video.options(stream=True).render.remote(render)),
-                restart=True,
+                "a video", send, restart=True, last=lambda item: isinstance(item, RenderedVideo)
             ):
                 if isinstance(item, RenderProgress):
-                    job.video = job.video.updated(progress=min(RENDERED_PROGRESS, 100 * item.step // item.steps))
+                    self.resumed += job.progressed(item)
+                elif isinstance(item, RenderCheckpoint):
+                    job.checkpoint = item
                 else:
                     self._completed(job, cast(RenderedVideo, item))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the job fails; the service goes on
             error = http_error(exc)
-            job.video = job.video.updated(
-                status="failed",
-                completed_at=int(time.time()),
-                expires_at=int(time.time() + self.config.ttl_s),
-                error=VideoError(
-                    code=error.code or error.type, message=error.message, param=error.param, type=error.type
-                ),
+            failure = VideoError(
+                code=error.code or error.type, message=error.message, param=error.param, type=error.type
             )
-            job.expires = time.monotonic() + self.config.ttl_s
+            job.finished(self.config.ttl_s, status="failed", error=failure)
 
     def _completed(self, job: _Job, made: RenderedVideo) -> None:
         while self.bytes + len(made.mp4) > self.config.store_mib << 20 and (oldest := self._oldest_finished()):
             self._drop(oldest)
         job.mp4, self.bytes = made.mp4, self.bytes + len(made.mp4)
-        job.expires = time.monotonic() + self.config.ttl_s
-        job.video = job.video.updated(
+        job.finished(
+            self.config.ttl_s,
             status="completed",
             progress=100,
-            completed_at=int(time.time()),
-            expires_at=int(time.time() + self.config.ttl_s),
             sha256=made.sha256,
             frames_sha256=made.frames_sha256,
             batch_size=made.batch_size,

@@ -2,11 +2,13 @@
 
 Every field is admitted again, as the ingress admits a body (a job can be built without validation, and nothing
 that crosses an actor boundary is trusted): prompt and params with `contracts.admission`'s functions, the rest by
-the RenderJob model itself, then what this model and this replica can render (`DiffusionRenderer.resolve`).
+the RenderJob model itself, then what this model and this replica can render (`DiffusionRenderer.resolve`). A
+checkpoint to resume from is taken only where this replica's identity made it (`engine.checkpoint.made_by`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -16,20 +18,25 @@ from contracts.admission import admit_diffusion_params, admit_prompt
 from contracts.errors import InvalidRequestError, invalid_request
 from contracts.images import admit_image, edit_size
 from contracts.jobs import RenderJob
+from contracts.results import RenderCheckpoint
 from contracts.sampling import DiffusionSamplingParams
 from stages.diffusion.engine.img2img import edit_steps, strength_of
 from stages.diffusion.engine.sample import preview_steps
 
 from .renderer import DiffusionRenderer, Job
 
+logger = logging.getLogger("ray.serve")
+
 
 @dataclass(frozen=True)
 class Admission:
-    """One replica's admission rules: its renderer, its switch, whether it runs the step engine."""
+    """One replica's admission rules: its renderer, its switch, whether it runs the step engine, its identity (what
+    a checkpoint it resumes must have been made by, `stages.diffusion.engine.checkpoint.made_by`)."""
 
     renderer: DiffusionRenderer
     batch_invariant: bool
     step_engine: bool
+    identity: str = ""
 
     def job(self, job: RenderJob) -> Job:
         """The admitted Job of a generation or edit, with its origin and the steps of its previews."""
@@ -55,7 +62,25 @@ class Admission:
         else:
             admitted = self.generation(job.prompt, job.params)
             steps = cast(int, admitted.params.num_inference_steps)
-        return replace(admitted, origin=job.origin, previews=preview_steps(steps, job.partial_images))
+        return replace(
+            admitted,
+            origin=job.origin,
+            previews=preview_steps(steps, job.partial_images),
+            checkpoint_every=job.checkpoint_every if self.step_engine else 0,
+            resume=self.resumable(job.resume),
+        )
+
+    def resumable(self, checkpoint: RenderCheckpoint | None) -> bytes | None:
+        """The state to go on from: a checkpoint this replica's identity made (the same bits from there on); one of
+        another identity, or none, starts the render at its first step (the same bytes, later)."""
+        if checkpoint is None:
+            return None
+        if not self.step_engine or not self.identity or checkpoint.made_by != self.identity:
+            logger.warning(
+                "a checkpoint after step %d is another configuration's: rendered from the first step", checkpoint.step
+            )
+            return None
+        return checkpoint.state
 
     def generation(self, prompt: Any, params: Any) -> Job:
         """A text-to-image request; nothing is dropped or replaced (a strength is refused, never ignored)."""

@@ -18,7 +18,7 @@ from typing import Any, cast
 from ray import serve
 
 from contracts.config import DiffusionStageConfig
-from contracts.results import PartialImage, RenderedImage, RenderProgress
+from contracts.results import PartialImage, RenderCheckpoint, RenderedImage, RenderProgress
 from stages.diffusion.engine import Sample, StepEngine
 from stages.metrics import record_queue_wait
 
@@ -40,9 +40,9 @@ class StepBatching:
         )
         self.rendered = rendered  # (job, float image, batch_size, steps_co_batched, steps_computed) -> RenderedImage
 
-    async def render(self, job: Job, on_preview=None, on_step=None) -> RenderedImage:
+    async def render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> RenderedImage:
         """Render one job; `on_preview(index, float image)` is called on the engine's thread at `job.previews`,
-        `on_step(steps done)` after each step."""
+        `on_step(steps done)` after each step, `on_checkpoint(steps done, state)` every `job.checkpoint_every`."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -62,6 +62,9 @@ class StepBatching:
                 on_partial=on_preview,
                 partial_steps=job.previews if on_preview else (),
                 on_step=on_step,
+                on_checkpoint=on_checkpoint,
+                checkpoint_every=job.checkpoint_every,
+                resume=job.resume,
             )
         )
         try:
@@ -101,7 +104,7 @@ class RequestBatching:
         # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
 
-    async def render(self, job: Job, on_preview=None, on_step=None) -> RenderedImage:
+    async def render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> RenderedImage:
         """Render one job in a whole-request batch: no partial images nor progress (the pipeline has no step boundary
         to show)."""
         return await self._queue((BatchKey.of(job.params), self.renderer.request_group(job)))(job)
@@ -157,9 +160,10 @@ def _settle(future: asyncio.Future, result: Any) -> None:
         future.set_result(result)
 
 
-async def updates_then_result(render, job: Job, *, progress: bool = False):
-    """`render(job, on_preview, on_step)` as a stream: each PartialImage as the engine decodes it and (`progress`) a
-    RenderProgress after each step, then the result (RenderedImage, RenderedVideo)."""
+async def updates_then_result(render, job: Job, *, progress: bool = False, made_by: str = ""):
+    """`render(job, on_preview, on_step, on_checkpoint)` as a stream: each PartialImage as the engine decodes it,
+    (`progress`) a RenderProgress after each step and (`job.checkpoint_every`) a RenderCheckpoint of the stage
+    `made_by` every so many steps, then the result (RenderedImage, RenderedVideo)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     steps = cast(int, job.params.num_inference_steps)  # resolved: set
@@ -171,7 +175,13 @@ async def updates_then_result(render, job: Job, *, progress: bool = False):
     def step(done: int) -> None:  # on the engine's thread
         loop.call_soon_threadsafe(queue.put_nowait, RenderProgress(step=done, steps=steps))
 
-    rendering = asyncio.ensure_future(render(job, preview, step if progress else None))
+    def checkpoint(done: int, state: bytes) -> None:  # on the engine's thread
+        made = RenderCheckpoint(step=done, steps=steps, state=state, made_by=made_by)
+        loop.call_soon_threadsafe(queue.put_nowait, made)
+
+    rendering = asyncio.ensure_future(
+        render(job, preview, step if progress else None, checkpoint if job.checkpoint_every else None)
+    )
     rendering.add_done_callback(lambda _: queue.put_nowait(None))
     try:
         while (item := await queue.get()) is not None:

@@ -63,6 +63,8 @@ class Job:
     source: bytes | None = None  # edits: the init image as sent (its sha256 goes into the PNG's record)
     origin: ImageOrigin | None = None  # the client's prompt and its rewrite, when the ingress sent it
     previews: tuple[int, ...] = ()  # the steps after which a partial image is decoded (streaming)
+    checkpoint_every: int = 0  # steps between two step-boundary checkpoints (0: none)
+    resume: bytes | None = None  # a checkpoint's state to go on from (None: the first step)
 
 
 def encode_png(image, record: ImageRecord | None = None) -> bytes:

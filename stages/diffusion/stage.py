@@ -29,6 +29,7 @@ from stages.scope import diffusion_configuration, diffusion_scope
 
 from .admission import Admission
 from .batching import RequestBatching, StepBatching, updates_then_result
+from .engine.checkpoint import made_by
 from .renderer import DiffusionRenderer, Job, check_serves, encode_png, request_rules
 from .self_audit import self_audit
 from .self_check import diffusion_self_check
@@ -53,9 +54,10 @@ class DiffusionStage:
         self.replica = replica_id()
         step = self.config.batching == "step" and self.renderer.family is not None
         self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config, self._rendered)
-        self.admission = Admission(self.renderer, batch_invariant, step_engine=step)
-        # Strict: refuses here. A step replica checks itself against the golden table first (a second or so).
         configuration = diffusion_configuration(self.renderer, self.batching.mode)
+        identity = made_by(configuration, batch_invariant)  # whose checkpoints it resumes, and what its own say
+        self.admission = Admission(self.renderer, batch_invariant, step_engine=step, identity=identity)
+        # Strict: refuses here. A step replica checks itself against the golden table first (a second or so).
         engine = getattr(self.batching, "engine", None)
         check = (
             diffusion_self_check(self.renderer, engine, configuration)
@@ -77,7 +79,7 @@ class DiffusionStage:
         `options(stream=True)`; `contracts.jobs.final_image` takes the image alone.
 
         Previews come from the step engine only (whole-request batching has no step to show: the image alone)."""
-        async for item in updates_then_result(self._render, self._job(job)):
+        async for item in updates_then_result(self._render, self._job(job), made_by=self.admission.identity):
             yield item
 
     def _job(self, job: RenderJob) -> Job:
@@ -86,7 +88,7 @@ class DiffusionStage:
         self.scope.admit(cast(int, admitted.params.width), cast(int, admitted.params.height))
         return admitted
 
-    async def _render(self, job: Job, on_preview=None, on_step=None) -> Any:
+    async def _render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> Any:
         """Render an admitted job; past `max_queued` requests in flight, QueueFullError."""
         if self.in_flight >= self.config.max_queued:
             raise QueueFullError(
@@ -96,7 +98,7 @@ class DiffusionStage:
         self.in_flight += 1
         try:
             with timed_stage_call("diffusion", method):
-                return image_counted(method, await self.batching.render(job, on_preview, on_step))
+                return image_counted(method, await self.batching.render(job, on_preview, on_step, on_checkpoint))
         finally:
             self.in_flight -= 1
 

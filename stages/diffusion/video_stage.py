@@ -7,8 +7,10 @@ scale on different signals; a separate deployment has its own replicas, queue bo
 untouched. The class is the diffusion stage's, so everything an image has (admission, provenance, the scope verdict,
 health, cancellation at the next step) a video has too.
 
-    render(RenderJob)  RenderProgress after each denoising step, then the RenderedVideo: an MP4 through the pinned
-                       encoder (`stages.diffusion.video_file`), its provenance in the container's `comment` tag
+    render(RenderJob)  RenderProgress after each denoising step (and a RenderCheckpoint every `job.checkpoint_every`,
+                       from which `job.resume` goes on: `orchestration.video_jobs`), then the RenderedVideo: an MP4
+                       through the pinned encoder (`stages.diffusion.video_file`), its provenance in the container's
+                       `comment` tag
     admit(RenderJob)   the params it would render with (frames, size, steps resolved), or the typed 4xx: the Videos API
                        answers a bad request before it queues a job
 """
@@ -50,7 +52,8 @@ class VideoStage(DiffusionStage.func_or_class):  # type: ignore[name-defined]  #
     async def render(self, job: RenderJob):
         """A video job as a stream: its progress after each step, then its RenderedVideo. Call it through a handle with
         `options(stream=True)`."""
-        async for item in updates_then_result(self._render, self._job(job), progress=True):
+        made_by = self.admission.identity  # its checkpoints' (`job.checkpoint_every`), which a replica like it resumes
+        async for item in updates_then_result(self._render, self._job(job), progress=True, made_by=made_by):
             yield item
 
     async def admit(self, job: RenderJob) -> DiffusionSamplingParams:

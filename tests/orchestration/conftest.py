@@ -4,7 +4,7 @@
           the openai client, both replicas serving identical bytes), and the video stage (the tiny Wan, 1 replica)
   "/off"  both switches off, the LLM scaled to zero (enhance_prompt=false only), a one-slot diffusion
           queue (seedless requests served with their seed returned; 503 + Retry-After when full), and the video
-          stage with its switch off (the control of the videos' co-batching)
+          stage with its switch off and no checkpoints (the controls of the videos' co-batching and replica kill)
   "/small" both switches on, limits so small that any valid request renders in about a second (the schema fuzzer
           draws requests at every bound), a short LLM context, and videos of one step; started by the first test that
           asks for it
@@ -40,7 +40,10 @@ MAIN = {
     # No rewrite cache: a repeated request must reach the LLM stage again, so that these tests keep proving the
     # stage's own invariance (the cache is tested in test_rewrite_cache.py).
     "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "rewrite_cache_entries": 0},
-    "video": {"batch_invariant": True, "ray_actor_options": VIDEO_ACTOR, "defaults": {"num_inference_steps": STEPS}},
+    # A checkpoint every 4 steps (the default, named for test_videos' replica kill): a lost replica's video goes on
+    # from its last one.
+    "video": {"batch_invariant": True, "ray_actor_options": VIDEO_ACTOR, "defaults": {"num_inference_steps": STEPS},
+              "checkpoint_every": 4},
 }
 OFF = {
     "llm": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3},
@@ -48,7 +51,9 @@ OFF = {
     "diffusion": {"batch_invariant": False, "ray_actor_options": {"num_cpus": 0.3}, "max_batch_size": 1,
                   "max_queued": 1, "batch_wait_timeout_s": 0.0, "defaults": {"num_inference_steps": STEPS}},
     "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
-    "video": {"batch_invariant": False, "ray_actor_options": VIDEO_ACTOR, "defaults": {"num_inference_steps": STEPS}},
+    # No checkpoints: the control of test_videos' replica kill (its video starts again from its first step).
+    "video": {"batch_invariant": False, "ray_actor_options": VIDEO_ACTOR, "defaults": {"num_inference_steps": STEPS},
+              "checkpoint_every": 0},
 }
 
 

@@ -1,13 +1,15 @@
 """The video jobs' bookkeeping (orchestration/video_jobs.py), in process against a stand-in video stage: jobs bounded in
 number (503 when every slot is still rendering, else the oldest finished dropped), their MP4s bounded in bytes, expiry,
-a failed render as a failed job saying why, and a deleted job's render cancelled."""
+a failed render as a failed job saying why, a deleted job's render cancelled, and a render whose replica dies sent
+again from its last checkpoint (with its controls: no checkpoints, and a replica that does not take it)."""
 
 import asyncio
 
 import pytest
+from ray.exceptions import ActorUnavailableError
 
 from contracts.errors import InvalidRequestError, QueueFullError
-from contracts.results import RenderedVideo, RenderProgress, rendered_params
+from contracts.results import RenderCheckpoint, RenderedVideo, RenderProgress, rendered_params
 from contracts.sampling import DiffusionSamplingParams
 from orchestration.config import AppConfig
 from orchestration.video_jobs import VideoJobs, VideoPlan
@@ -16,12 +18,18 @@ STEPS = 4
 
 
 class StandInStage:
-    """The video stage's two methods as a handle offers them; each render waits for its release."""
+    """The video stage's two methods as a handle offers them; each render waits for its release. `dies_after`: its
+    first render's replica dies after that step (an infrastructure failure); `takes_checkpoints`: a render sent with
+    a checkpoint goes on from its step (else it starts anew, as a replica of another identity does). `polled`: per
+    render, the progress a client polling before each of its items sees (`poll`, set by the test)."""
 
-    def __init__(self, mp4_bytes: int = 100, fail: Exception | None = None):
-        self.mp4_bytes, self.fail = mp4_bytes, fail
+    def __init__(self, mp4_bytes=100, fail=None, *, steps=STEPS, dies_after=None, takes_checkpoints=True):
+        self.mp4_bytes, self.fail, self.steps = mp4_bytes, fail, steps
+        self.dies_after, self.takes_checkpoints = dies_after, takes_checkpoints
         self.released: dict[int, asyncio.Event] = {}
         self.cancelled: list[int] = []
+        self.sent: list = []  # each render's RenderJob, as sent
+        self.poll, self.polled = None, []
         self.admit = self
         self.render = self
 
@@ -34,26 +42,39 @@ class StandInStage:
     async def admitted(self, job) -> DiffusionSamplingParams:
         if job.params.num_frames == 10:
             raise InvalidRequestError("num_frames must be 4k + 1", param="num_frames")
-        resolved = {"num_frames": 9, "num_inference_steps": STEPS, "guidance_scale": 5.0, "height": 64, "width": 64}
+        resolved = {"num_frames": 9, "num_inference_steps": self.steps, "guidance_scale": 5.0, "height": 64, "width": 64}
         return job.params.model_copy(update=resolved)
 
     async def rendered(self, job):
-        seed = job.params.seed
+        seed, steps = job.params.seed, self.steps
         self.released.setdefault(seed, asyncio.Event())
+        self.sent.append(job)
+        self.polled.append([])
+        first = job.resume.step + 1 if job.resume is not None and self.takes_checkpoints else 1
         try:
-            for step in range(1, STEPS + 1):
-                yield RenderProgress(step=step, steps=STEPS)
+            for step in range(first, steps + 1):
+                yield self._polled(RenderProgress(step=step, steps=steps))
+                if step == self.dies_after:
+                    self.dies_after = None
+                    raise ActorUnavailableError("the replica died", None)
+                if job.checkpoint_every and step % job.checkpoint_every == 0 and step < steps:
+                    yield self._polled(RenderCheckpoint(step=step, steps=steps, state=bytes([step]), made_by="r"))
             await self.released[seed].wait()
             if self.fail is not None:
                 raise self.fail
             yield RenderedVideo(
                 mp4=bytes([seed % 256]) * self.mp4_bytes, sha256=f"{seed:064x}", frames_sha256="f" * 64, num_frames=9,
-                fps=8, batch_size=1, steps_co_batched=0, steps_computed=STEPS, replica="r", model="m",
+                fps=8, batch_size=1, steps_co_batched=0, steps_computed=steps, replica="r", model="m",
                 batch_invariant=True, kernel_backend="cpu", **rendered_params(job.params),
             )
         except asyncio.CancelledError:
             self.cancelled.append(seed)
             raise
+
+    def _polled(self, item):
+        if self.poll is not None:
+            self.polled[-1].append(self.poll())
+        return item
 
 
 class _Either:
@@ -70,7 +91,9 @@ class _Either:
 
 
 def jobs(stage: StandInStage, **video) -> VideoJobs:
-    config = AppConfig.model_validate({"video": {"batch_invariant": True, **video}}).with_resolved_switches()
+    ingress = {"retry_backoff_s": 0.0}  # a failed render is sent again at once
+    config = AppConfig.model_validate({"video": {"batch_invariant": True, **video}, "ingress": ingress})
+    config = config.with_resolved_switches()
     return VideoJobs.func_or_class(None, stage, config)
 
 
@@ -152,3 +175,43 @@ def test_a_job_deleted_while_rendering_cancels_its_render():
         assert stage.cancelled == [5]
 
     asyncio.run(run())
+
+
+RESUMES = {  # the stage's takes_checkpoints, the jobs' checkpoint_every
+    "resumed": (True, 4),
+    "control-no-checkpoints": (True, 0),
+    "control-another-identity": (False, 4),  # sent with its checkpoint, started anew by the replica
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_a_render_whose_replica_dies_goes_on_from_its_last_checkpoint_its_progress_never_below_it(case):
+    takes, every = RESUMES[case]
+
+    async def run():
+        stage = StandInStage(steps=12, dies_after=10, takes_checkpoints=takes)
+        videos = jobs(stage, checkpoint_every=every)
+        job = await videos.create(plan(3), "m")
+        stage.poll = lambda: videos.get(job.id).progress
+        for _ in range(20):
+            await settle()
+        stage.released[3].set()
+        await settle()
+        return stage, videos.get(job.id), videos.stats()
+
+    stage, done, stats = asyncio.run(run())
+    assert done.status == "completed" and done.sha256 == f"{3:064x}" and stats["retried"] == 1
+    first, again = stage.sent
+    assert first.resume is None and first.checkpoint_every == every
+    # Checkpoints after steps 4 and 8 (none without them); the replica died after step 10, the job at 83%.
+    before, after = stage.polled
+    assert before[-1] == 75 and after[0] == 83
+    if case == "resumed":  # sent again from step 8, which it went on from: 75% at its first step, never below 66%
+        assert (again.resume.step, again.resume.state) == (8, bytes([8]))
+        assert after == [83, 75, 83, 91] and min(after) >= 100 * 8 // 12
+        assert (done.resumed_from_step, stats["resumed"]) == (8, 1)
+    else:  # from step 1 again: below the checkpoint a resume would have kept, and not counted as resumed
+        sent = None if every == 0 else RenderCheckpoint(step=8, steps=12, state=bytes([8]), made_by="r")
+        assert again.resume == sent
+        assert after[:3] == [83, 8, 16] and min(after) < 100 * 8 // 12
+        assert (done.resumed_from_step, stats["resumed"]) == (None, 0)

@@ -4,15 +4,15 @@ solo bytes (frames and MP4 file) with the control, bad requests as 4xx naming th
 """
 
 import hashlib
+import json
 import os
 import signal
-import json
 import time
 
 import pytest
 
 from stages.diffusion.video_file import decode_mp4, read_mp4_provenance
-from tests.orchestration.conftest import STEPS, TIMEOUT_S, VIDEO_PATH
+from tests.orchestration.conftest import MAIN, STEPS, TIMEOUT_S, VIDEO_PATH
 
 PROMPT = "a red ball bouncing on a wooden floor"
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client warns of its own service
@@ -179,22 +179,78 @@ def test_health_reports_the_video_stage_with_its_switch_model_and_replicas(http)
     assert off["batch_invariant"] is False and off["state"] == "running"
 
 
-# Last in the package: it kills the shared app's video replica (Serve starts another).
-def test_a_video_whose_replica_is_killed_mid_render_completes_on_a_new_one_with_the_same_bytes(http):
+# --- a replica killed past half its steps (issue 43) ------------------------------------------------------------------
+# Last in the package: they kill the shared apps' video replicas (Serve starts others). "/" takes a checkpoint every
+# EVERY steps, "/off" none (the control).
+KILLED_STEPS, KILL_AT, EVERY = 48, 50, MAIN["video"]["checkpoint_every"]
+#: 25 frames: each step long enough that a poll sees the render between half its steps and its last (with 9, the
+#: stock-kernel control's first poll past 50% once read 97%).
+KILLED = {"seed": 21, "num_inference_steps": KILLED_STEPS, "num_frames": 25}
+
+
+def _killed_past_half(http, prefix: str, app: str) -> tuple[dict, list[int], list[int], int]:
+    """A job of KILLED_STEPS steps whose video replica (the app's one) is SIGKILLed once its progress is KILL_AT% or
+    more, polled to its end: the finished job, its progress polled before the kill (the last when it was killed) and
+    after it, and the victim's pid."""
     from tests.reliability.replicas import replica_pids
 
-    steps = 48  # several seconds of denoising: time to see it in progress and kill its replica
-    reference = _finished(http, _create(http, seed=21, num_inference_steps=steps)["id"])
-    job = _create(http, seed=21, num_inference_steps=steps)
-    (victim,) = replica_pids("main", "VideoStage")
+    (victim,) = replica_pids(app, "VideoStage")
+    job = _create(http, prefix, **KILLED)
+    before, after = [], []
     deadline = time.monotonic() + TIMEOUT_S
-    while (polled := http.get(f"/v1/videos/{job['id']}").json())["progress"] < 10:
+    while (polled := http.get(f"{prefix}/v1/videos/{job['id']}").json())["progress"] < KILL_AT:
         assert polled["status"] in ("queued", "in_progress") and time.monotonic() < deadline, polled
+        before.append(polled["progress"])
         time.sleep(0.02)
-    assert polled["status"] == "in_progress" and polled["progress"] < 90, polled  # killed mid-render, not after
+    assert polled["status"] == "in_progress" and polled["progress"] < 99, polled  # mid-render, not after its last step
     os.kill(victim, signal.SIGKILL)
-    done = _finished(http, job["id"])
-    assert done["status"] == "completed", done["error"]
-    assert (done["sha256"], done["frames_sha256"]) == (reference["sha256"], reference["frames_sha256"])
-    assert done["replica"] != reference["replica"] and victim not in replica_pids("main", "VideoStage")
-    assert http.get("/health").json()["ingress"]["video_jobs"]["retried"] >= 1
+    before.append(polled["progress"])
+    while (polled := http.get(f"{prefix}/v1/videos/{job['id']}").json())["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline, polled
+        after.append(polled["progress"])
+        time.sleep(0.02)
+    assert polled["status"] == "completed", polled["error"]
+    assert victim not in replica_pids(app, "VideoStage")
+    return polled, before, after, victim
+
+
+def _checkpoint_had(progress: int) -> int:
+    """The latest checkpoint's step a job polled at `progress`% had surely received: its stream brings step k's
+    progress, then its checkpoint, then step k + 1's progress, so a job at step s has every checkpoint before s."""
+    step = -(-progress * KILLED_STEPS // 100)  # the fewest steps that show as `progress`
+    return (step - 1) // EVERY * EVERY
+
+
+def test_a_video_whose_replica_is_killed_past_half_its_steps_goes_on_from_its_last_checkpoint_with_the_same_bytes(http):
+    from tests.reliability.replicas import runs
+
+    reference = _finished(http, _create(http, **KILLED)["id"])  # uninterrupted
+    for run in range(1, runs() + 1):  # each run kills the replica the last one's video finished on
+        stats = http.get("/health").json()["ingress"]["video_jobs"]
+        started = time.monotonic()
+        done, before, after, victim = _killed_past_half(http, "", "main")
+        assert (done["sha256"], done["frames_sha256"]) == (reference["sha256"], reference["frames_sha256"]), run
+        mp4 = http.get(f"/v1/videos/{done['id']}/content").content
+        assert hashlib.sha256(mp4).hexdigest() == reference["sha256"]
+        resumed_from, had = done["resumed_from_step"], _checkpoint_had(before[-1])
+        # It went on from the last checkpoint its job had when its replica died (none lost on the way), ...
+        assert resumed_from is not None and resumed_from % EVERY == 0 and resumed_from >= had >= KILLED_STEPS // 2 - EVERY
+        # ... and no client saw its progress fall below that checkpoint's.
+        assert after and min(after) >= 100 * resumed_from // KILLED_STEPS, (run, before[-1], resumed_from, after)
+        now = http.get("/health").json()["ingress"]["video_jobs"]
+        assert now["resumed"] > stats["resumed"] and now["retried"] > stats["retried"], (stats, now)
+        print(f"\nrun {run}: video replica {victim} SIGKILLed at {before[-1]}% (polls before: {len(before)}; "
+              f"{_checkpoint_had(before[-1])} steps "
+              f"checkpointed at least), resumed from step {resumed_from} of {KILLED_STEPS} on {done['replica']}, "
+              f"progress after the kill {min(after)}-{max(after)}% over {len(after)} polls, the reference sha256, "
+              f"{time.monotonic() - started:.1f} s")
+
+
+def test_control_without_checkpoints_a_killed_video_starts_again_its_progress_falling_back(http):
+    """The same kill on "/off" (checkpoint_every 0): the render starts again at its first step on the new replica, so
+    its progress falls below the checkpoint the test above holds it to."""
+    done, before, after, _ = _killed_past_half(http, "/off", "off")
+    assert done["resumed_from_step"] is None
+    assert min(after) < 100 * _checkpoint_had(before[-1]) // KILLED_STEPS, (before[-1], after)
+    print(f"\ncontrol: killed at {before[-1]}% after {len(before)} polls, progress after the kill fell to "
+          f"{min(after)}% (a resume would have kept {100 * _checkpoint_had(before[-1]) // KILLED_STEPS}%)")

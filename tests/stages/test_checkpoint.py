@@ -1,5 +1,7 @@
 """Step-boundary checkpoints (stages.diffusion.engine.checkpoint): a sample exported at step k and resumed on another
-engine, co-batched with unlike neighbours, ends with exactly the bytes of its uninterrupted render.
+engine, co-batched with unlike neighbours, ends with exactly the bytes of its uninterrupted render; and the video
+stage's own (`VideoStage.render`, in process): its checkpoints in its stream, resumed by a replica of its identity
+with the uninterrupted MP4's bytes, rendered anew by one of another.
 
 Real tiny pipelines, the kernels on, the engine's own thread; "another replica" is a second renderer and engine built
 from the same model. The control resumes from the latents and step alone (what a checkpoint of the latents would
@@ -7,6 +9,7 @@ give): the scheduler's past predictions (DPM-Solver++ 2M) and the generator's st
 made again from the request, and the image differs, so the test can fail.
 """
 
+import asyncio
 import io
 
 import numpy as np
@@ -14,6 +17,8 @@ import pytest
 import torch
 
 from contracts.config import DiffusionStageConfig
+from contracts.jobs import RenderJob
+from contracts.results import RenderCheckpoint, RenderedVideo, RenderProgress
 from contracts.sampling import DiffusionSamplingParams, StepCache
 from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import Sample, StepEngine
@@ -120,3 +125,42 @@ def test_a_checkpoint_of_another_step_count_is_refused_naming_it(replicas):
     short.resume = checkpoints[0]
     with pytest.raises(ValueError, match="after step 3 of a sample of 2 steps"):
         second.render([short])
+
+
+def video_stage(**config):
+    from stages.diffusion.video_stage import VideoStage
+
+    defaults = {"batch_invariant": True, "torch_threads": 1, "warm_up": False, "self_audit": "off"}
+    return VideoStage.func_or_class({**defaults, **config})
+
+
+def streamed(stage, **fields) -> list:
+    """A video job of 12 steps through the stage's entry point, as the jobs deployment iterates it."""
+    params = DiffusionSamplingParams(seed=7, num_inference_steps=12, height=64, width=64, num_frames=9)
+
+    async def items():
+        return [item async for item in stage.render(RenderJob(prompt="a red ball bouncing", params=params, **fields))]
+
+    return asyncio.run(items())
+
+
+def steps_of(items: list) -> list[int]:
+    return [item.step for item in items if isinstance(item, RenderProgress)]
+
+
+def test_a_video_stage_streams_checkpoints_that_a_replica_of_its_identity_resumes_with_the_same_mp4():
+    first, second, other = video_stage(), video_stage(), video_stage(torch_threads=2)
+    assert first.admission.identity == second.admission.identity != other.admission.identity
+    (uninterrupted,) = streamed(first)[-1:]  # no checkpoints asked: none sent
+    items = streamed(first, checkpoint_every=EVERY)
+    checkpoints = [item for item in items if isinstance(item, RenderCheckpoint)]
+    assert [(c.step, c.steps, c.made_by) for c in checkpoints] == [(s, 12, first.admission.identity) for s in (3, 6, 9)]
+    assert isinstance(items[-1], RenderedVideo) and items[-1].sha256 == uninterrupted.sha256  # taking them changes nothing
+    for checkpoint in checkpoints:  # another replica goes on from each: its first step is the checkpoint's next
+        resumed = streamed(second, checkpoint_every=EVERY, resume=checkpoint)
+        assert steps_of(resumed) == list(range(checkpoint.step + 1, 13)), checkpoint.step
+        assert (resumed[-1].sha256, resumed[-1].frames_sha256) == (uninterrupted.sha256, uninterrupted.frames_sha256)
+    # A replica of another configuration, or a checkpoint naming another maker: from the first step.
+    foreign = checkpoints[-1].model_copy(update={"made_by": other.admission.identity})
+    for stage, checkpoint in ((other, checkpoints[-1]), (second, foreign)):
+        assert steps_of(streamed(stage, resume=checkpoint)) == list(range(1, 13))

@@ -9,11 +9,13 @@ sample depends on the batch it ran in, so a sample resumed from its state at ste
 uninterrupted render (tests/stages/test_checkpoint.py, with a control that drops part of the state).
 
 The bytes are `torch.save`'s and are loaded with pickle: a checkpoint is made by this service's own replicas and
-passed between them (`contracts.results.RenderCheckpoint`), never taken from a client.
+passed between them (`contracts.results.RenderCheckpoint`), never taken from a client. A replica resumes only the
+checkpoints of its own identity (`made_by`: what decides the bits), so a state is never continued by other arithmetic.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from typing import Any
 
@@ -23,6 +25,13 @@ from .sample import Sample
 
 #: Scheduler attributes that are its configuration, made again from the model on the replica that resumes.
 _CONFIGURATION = frozenset({"_internal_dict"})
+
+
+def made_by(configuration: Any, batch_invariant: bool) -> str:
+    """The identity a checkpoint is resumed under: a digest of the replica's configuration (`contracts.scope`: model,
+    weights, dtype, device, kernel path, versions, kernels, threads, batching mode) and its switch. Replicas of one
+    identity compute the same bits from one state; a checkpoint of another identity is started anew."""
+    return hashlib.sha256(f"{configuration.model_dump_json()} {batch_invariant}".encode()).hexdigest()
 
 
 def scheduler_state(scheduler: Any) -> dict[str, Any]:
