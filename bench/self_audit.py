@@ -43,7 +43,7 @@ seconds = time.monotonic() - started
 audit = stage.scope.self_audit
 stage.batching.engine.stop()
 print(json.dumps({"seconds": seconds, "verified": stage.scope.verdict.verified,
-                  "self_audit": audit.model_dump() | {"reason": audit.reason} if audit else None}))
+                  "self_audit": audit.model_dump() if audit else None}))
 """
 
 MODES = ("off", "quick, first start", "quick, second start")

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
 
 from . import envs
 
@@ -163,6 +163,7 @@ class SelfAudit(_Data):
     record: str | None = None  # the record it wrote, or reused
     reused: bool = False  # an earlier start's record covered this configuration: nothing rendered
 
+    @computed_field  # type: ignore[prop-decorator]  # in every dump: /health, the bench and the GPU check read it
     @property
     def reason(self) -> str:
         if self.reused and not self.control_varied:

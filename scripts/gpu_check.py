@@ -318,7 +318,7 @@ class Tasks:
         audit, verdict = stage.scope.self_audit, stage.scope.verdict
         return {
             "start_s": round(seconds, 2),
-            "self_audit": audit.model_dump() | {"reason": audit.reason},
+            "self_audit": audit.model_dump(),
             "verified": verdict.verified,
             "verified_by": verdict.by,
             "differences": verdict.differences,

@@ -100,7 +100,8 @@ def weights_digest(location: str | None) -> str:
     if directory is None:
         return f"unhashed:{location}"
     files = sorted(p for p in directory.rglob("*") if p.suffix in WEIGHT_SUFFIXES)
-    identity = [(str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ino) for p in files]
+    stats = [(p, p.stat()) for p in files]  # one stat per file
+    identity = [(str(p.relative_to(directory)), s.st_size, s.st_mtime_ns, s.st_ino) for p, s in stats]
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
     known = cache_root() / "weights-digests" / key
     if known.is_file():

@@ -159,9 +159,7 @@ class DiffusionStage:
                 "loras": self.renderer.loras.names(),  # what a request's `lora` may name here (GET /v1/loras)
                 "requests": request_rules(self.renderer, isinstance(self.batching, StepBatching)),
                 "problem": problem,
-                "self_audit": self.scope.self_audit.model_dump() | {"reason": self.scope.self_audit.reason}
-                if self.scope.self_audit
-                else None,
+                "self_audit": self.scope.self_audit.model_dump() if self.scope.self_audit else None,
             },
         )
 
