@@ -57,6 +57,8 @@ using c10::MemoryFormat;
 constexpr int64_t kGemmMacs = int64_t{1} << 18;
 constexpr int64_t kConvMacs = int64_t{1} << 21;
 constexpr int64_t kLineBytes = 64;
+// Work per sample from which oneDNN convolves one sample per call (see blocked_convolution).
+constexpr int64_t kOneDnnSampleMacs = int64_t{1} << 25;
 
 bool floating(const Tensor& t) {
   auto d = t.scalar_type();
@@ -750,15 +752,22 @@ Tensor in_layout(const Tensor& x, MemoryFormat layout) {
   return at::empty_strided(x.sizes(), strides, x.options()).copy_(x);
 }
 
+// Multiply-adds per sample of a convolution (about: positions counted at the input's size over the stride).
+int64_t conv_work(const Tensor& input, const Tensor& weight, IntArrayRef stride) {
+  const int64_t positions = product(input.sizes().slice(2)) / std::max<int64_t>(product(stride), 1);
+  return weight.size(0) * product(weight.sizes().slice(1)) * positions;
+}
+
 // oneDNN directly, in one layout whatever the caller's; fixed blocks of samples for what oneDNN
 // does not take.
 //
 // ATen's CPU convolution varies with the batch because it picks its backend by batch size
 // (im2col for a lone small sample, oneDNN otherwise) and follows the input's layout, which
-// itself can follow the batch size. oneDNN computes every output from its own sample in an
-// order its kernels fix, whatever the batch: measured over 2400 random layers (channels,
-// sizes, kernels, strides, groups, layouts, float32/bfloat16, batch sizes 1-8, every
-// position) and pinned in tests/stages/test_kernels.py.
+// itself can follow the batch size. oneDNN computes every output from its own sample in the
+// order of the kernel it picked, and picks one kernel for every batch of a small layer
+// (measured over 2400 random layers: channels, sizes, kernels, strides, groups, layouts,
+// float32/bfloat16, batch sizes 1-8, every position; pinned in tests/stages/test_kernels.py),
+// but not of every large one: those run one sample per call.
 Tensor blocked_convolution(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias, IntArrayRef stride,
                    IntArrayRef padding, IntArrayRef dilation, bool transposed, IntArrayRef output_padding,
                    int64_t groups) {
@@ -772,17 +781,36 @@ Tensor blocked_convolution(const Tensor& input, const Tensor& weight, const std:
                             input.dim() >= 3 && input.dim() <= 5;
   if (onednn_takes && input.size(0) > 0) {
     const auto layout = input.dim() == 4 ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
-    if (input.scalar_type() == at::kBFloat16 && !kOneDnnBf16) {
-      // oneDNN convolves bfloat16 only with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT and refuses elsewhere. In
-      // float32 it convolves on every CPU, and every bfloat16 converts to float32 exactly: the float32
-      // result, rounded once to bfloat16, is as invariant as oneDNN's float32 one and at least as accurate
-      // as a bfloat16 kernel's (which accumulates in float32 too).
-      auto wide = [](const Tensor& t) { return t.to(at::kFloat); };
-      const std::optional<Tensor> wide_bias = bias && bias->defined() ? std::optional<Tensor>(wide(*bias)) : bias;
-      return at::mkldnn_convolution(in_layout(wide(input), layout), wide(weight), wide_bias, padding, stride,
-                                    dilation, groups).to(at::kBFloat16);
-    }
-    return at::mkldnn_convolution(in_layout(input, layout), weight, bias, padding, stride, dilation, groups);
+    auto onednn = [&](const Tensor& x) {
+      if (input.scalar_type() == at::kBFloat16 && !kOneDnnBf16) {
+        // oneDNN convolves bfloat16 only with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT and refuses elsewhere. In
+        // float32 it convolves on every CPU, and every bfloat16 converts to float32 exactly: the float32
+        // result, rounded once to bfloat16, is as invariant as oneDNN's float32 one and at least as accurate
+        // as a bfloat16 kernel's (which accumulates in float32 too).
+        auto wide = [](const Tensor& t) { return t.to(at::kFloat); };
+        const std::optional<Tensor> wide_bias = bias && bias->defined() ? std::optional<Tensor>(wide(*bias)) : bias;
+        return at::mkldnn_convolution(in_layout(wide(x), layout), wide(weight), wide_bias, padding, stride,
+                                      dilation, groups).to(at::kBFloat16);
+      }
+      return at::mkldnn_convolution(in_layout(x, layout), weight, bias, padding, stride, dilation, groups);
+    };
+    if (input.size(0) == 1 || conv_work(input, weight, stride) < kOneDnnSampleMacs) return onednn(input);
+    // oneDNN picks its kernel's blocking from the whole problem, the batch included. On the avx2 path the SD1.5
+    // UNet's 3x3 1920->640 convolution at 32x32 (up_blocks.2 of a 512x512 render) blocks its weights by 24
+    // output channels for a lone sample and by 16 for two, and the two round differently (measured: 98% of
+    // that layer's outputs, 16,225 of 16,384 of the UNet's). A convolution this large therefore runs one
+    // sample per oneDNN call: every sample gets the lone sample's kernel, whatever the batch. Smaller ones run
+    // the batch in one call, where a call per sample would cost more than the convolution (measured on avx2,
+    // one thread, batch 8 against 8 calls: 2.7-4.9x at 8x8 with 4-32 channels, 1.27x at 9.4M multiply-adds
+    // per sample, 1.04x at 38M; 0.87x at 11G); there oneDNN kept one kernel for every batch over 2400 random
+    // layers (tests/stages/test_kernels.py).
+    const Tensor x = in_layout(input, layout);
+    // Each sample where a lone sample would sit: a fresh, 64-byte aligned allocation unless whole lines apart.
+    const bool lines = product(x.sizes().slice(1)) * static_cast<int64_t>(x.element_size()) % kLineBytes == 0;
+    std::vector<Tensor> samples;
+    for (int64_t i = 0; i < x.size(0); ++i)
+      samples.push_back(onednn(lines ? x.narrow(0, i, 1) : in_layout(x.narrow(0, i, 1).clone(), layout)));
+    return in_layout(at::cat(samples), layout);
   }
 
   auto stock = [&](const Tensor& x) {
@@ -792,8 +820,7 @@ Tensor blocked_convolution(const Tensor& input, const Tensor& weight, const std:
                             /*allow_tf32=*/false);
   };
   if (input.dim() < 3 || !floating(input) || input.size(0) == 0) return stock(input);
-  const int64_t positions = product(input.sizes().slice(2)) / std::max<int64_t>(product(stride), 1);
-  const int64_t work = weight.size(0) * product(weight.sizes().slice(1)) * positions;  // multiply-adds per sample
+  const int64_t work = conv_work(input, weight, stride);
   // Samples of a block sit at offsets of whole samples: only whole 64-byte lines keep them equally aligned.
   const int64_t line = kLineBytes / static_cast<int64_t>(input.element_size());
   const int64_t samples = product(input.sizes().slice(1)) % line == 0 ? block_size(work, kConvMacs, 1, 64) : 1;

@@ -418,6 +418,38 @@ def test_kernels_off_control_conv_varies_with_threads_or_batch(cin, cout, size):
                               f"conv2d {cin}->{cout} channels at {size}x{size}, 1 and 2 threads, alone and in a batch of 3")
 
 
+def _sd15_up_block_weight() -> torch.Tensor:
+    return torch.randn(640, 1920, 3, 3, generator=torch.Generator().manual_seed(13)) * 0.02
+
+
+def _sd15_up_block_conv(samples: torch.Tensor) -> torch.Tensor:
+    """SD1.5's UNet up_blocks.2.resnets.0.conv1 (3x3, 1920->640) at 32x32, as in a 512x512 render, on channels-last
+    input (as our convolution returns its activations)."""
+    return F.conv2d(samples.contiguous(memory_format=torch.channels_last), _sd15_up_block_weight(), padding=1)
+
+
+def _sd15_up_block_inputs() -> torch.Tensor:
+    return torch.randn(3, 1920, 32, 32, generator=torch.Generator().manual_seed(14))
+
+
+def test_kernels_a_real_width_conv_gives_the_solo_bits_at_every_position():
+    # The layer where oneDNN's kernel followed the batch (its avx2 path blocked the weights by 24 output channels
+    # alone, by 16 in a batch): our convolution runs one sample per call at this size.
+    inputs = _sd15_up_block_inputs()
+    with batch_invariant_kernels():
+        batch = _sd15_up_block_conv(inputs)
+        for position in range(len(inputs)):
+            assert torch.equal(batch[position : position + 1], _sd15_up_block_conv(inputs[position : position + 1]))
+
+
+def test_kernels_off_control_a_real_width_conv_varies_with_the_batch():
+    # Measured on the avx2 path (ONEDNN_MAX_CPU_ISA=AVX2) of an AVX-512 EPYC: 646,179 of 655,360 outputs differ in
+    # a batch of 3 (with one thread in a batch of 2 as well). oneDNN's avx512 path kept one kernel here.
+    inputs = _sd15_up_block_inputs()
+    varied = not torch.equal(_sd15_up_block_conv(inputs)[:1], _sd15_up_block_conv(inputs[:1]))
+    _skip_unless_stock_varies(varied, "conv2d 1920->640 3x3 at 32x32 (SD1.5 at 512x512), alone and in a batch of 3")
+
+
 def test_kernels_conv_transpose_takes_the_fixed_block_path_and_stays_invariant():
     weight = torch.randn(6, 4, 3, 3, generator=torch.Generator().manual_seed(12))
     fn = lambda x: F.conv_transpose2d(x, weight, stride=2, padding=1)  # noqa: E731
