@@ -52,7 +52,7 @@ def _diffusion_report(args: argparse.Namespace, command: list[str]) -> dict:
         batch_sizes=args.batch_sizes,
         dtype=args.dtype,
         steps=args.steps,
-        size=args.size,
+        size=args.size or 64,
         path=args.path,
         torch_threads=args.torch_threads,
     )
@@ -71,7 +71,7 @@ def _parallel_report(args: argparse.Namespace, command: list[str]) -> dict:
         kernels=args.kernels,
         dtype=args.dtype,
         steps=args.steps,
-        size=args.size,
+        size=args.size or 64,
         torch_threads=args.torch_threads,
         command=command,
         log=_log,
@@ -128,6 +128,10 @@ def audit(args: argparse.Namespace) -> int:
     from evidence.report import markdown_table, write_outputs
 
     command = ["omniserve", *sys.argv[1:]]
+    if args.real_width:
+        return _real_width(args, command)
+    if args.stage is None:
+        raise SystemExit("omniserve audit: --stage diffusion|llm (or --real-width)")
     report = (_diffusion_report if args.stage == "diffusion" else _llm_report)(args, command)
     write_outputs(report, args.json, args.markdown)
     print(markdown_table(report))
@@ -138,6 +142,50 @@ def audit(args: argparse.Namespace) -> int:
     if args.record is not None:
         return 0 if record_report(report, Path(args.record) if args.record else user_records(), log=_log) else 1
     return 0
+
+
+def _real_width(args: argparse.Namespace, command: list[str]) -> int:
+    """`--real-width`: the families' denoisers and VAE decoders at public widths (evidence/real_width.py); the
+    report is written after each component, so a run cut short keeps what it measured."""
+    from evidence.real_width import FAMILIES, markdown, run_real_width_audit
+    from evidence.report import write_outputs
+
+    def write(report: dict) -> None:
+        write_outputs(report, args.json, None)
+        if args.markdown:
+            Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.markdown).write_text(markdown(report))
+
+    if args.stage or args.model or args.record is not None or args.picture or args.parallel:
+        _log("--real-width builds its own models: --stage, --model, --record, --picture, --parallel unused")
+    report = run_real_width_audit(
+        args.families or list(FAMILIES),
+        size=args.size,
+        blocks=args.blocks,
+        arrangements=args.arrangements,
+        kernels=args.kernels,
+        torch_threads=args.torch_threads or 1,
+        command=command,
+        log=_log,
+        progress=write,
+    )
+    write(report)
+    print(markdown(report))
+    differed = [r for r in report["runs"] if r["kernels"] == "on" and r["differing_elements"] > 0]
+    if differed:
+        print(f"NOT INVARIANT: {len(differed)} run(s) with kernels on differed", file=sys.stderr)
+    return 1 if differed or report["failures"] else 0
+
+
+def _arrangements(text: str) -> list[tuple[str, int]]:
+    """'first:2,middle:3,last:4' -> [("first", 2), ...]."""
+    pairs = []
+    for word in _words(text):
+        ordering, _, size = word.partition(":")
+        if ordering not in ("first", "middle", "last") or not size.isdigit() or int(size) < 2:
+            raise argparse.ArgumentTypeError(f"{word!r}: ORDERING:BATCH, ORDERING first|middle|last, BATCH >= 2")
+        pairs.append((ordering, int(size)))
+    return pairs
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -286,7 +334,7 @@ def _audit_parser(commands) -> None:
         description="Run a target request solo and co-batched in several orderings and batch sizes, "
         "kernels off (the control) and on, and count differing elements.",
     )
-    parser.add_argument("--stage", choices=["diffusion", "llm"], required=True)
+    parser.add_argument("--stage", choices=["diffusion", "llm"], help="the stage to audit (or --real-width)")
     parser.add_argument(
         "--model",
         action="append",
@@ -313,7 +361,29 @@ def _audit_parser(commands) -> None:
         "had 0 differing elements (default DIR: the user's cache; docs/evidence/scope for shipped ones)",
     )
     _audit_stage_arguments(parser)
+    _real_width_arguments(parser)
     parser.set_defaults(run=audit)
+
+
+def _real_width_arguments(parser) -> None:
+    real = parser.add_argument_group(
+        "--real-width (denoisers and VAE decoders at public configurations' widths, random weights; one forward "
+        "solo vs co-batched, kernels off and on, timed; verifies the kernels at those shapes, not a checkpoint)"
+    )
+    real.add_argument("--real-width", action="store_true", help="run the real-width audit (evidence/real_width.py)")
+    real.add_argument(
+        "--families",
+        type=_words,
+        help="of sd15,sdxl,sd35m,flux1,qwen-image,wan21 (default: all); --size: the image side (default 128), "
+        "--torch-threads: default 1",
+    )
+    real.add_argument("--blocks", type=int, help="blocks of the families cut short (default: each family's own)")
+    real.add_argument(
+        "--arrangements",
+        type=_arrangements,
+        default=[("first", 2), ("middle", 3), ("last", 4)],
+        help="the target's place and batch size, e.g. first:2,middle:3,last:4 (the default)",
+    )
 
 
 def _audit_stage_arguments(parser) -> None:
@@ -324,7 +394,7 @@ def _audit_stage_arguments(parser) -> None:
     diffusion = parser.add_argument_group("diffusion stage")
     diffusion.add_argument("--picture", metavar="PATH", help="PNG of solo | co-batched | difference")
     diffusion.add_argument("--steps", type=int, default=8, help="denoising steps")
-    diffusion.add_argument("--size", type=int, default=64, help="image side in pixels")
+    diffusion.add_argument("--size", type=int, help="image side in pixels (default 64; --real-width: 128)")
     diffusion.add_argument(
         "--path",
         choices=["engine", "pipeline"],
