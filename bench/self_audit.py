@@ -1,11 +1,12 @@
-"""What a replica's start-up self-audit costs (stages/diffusion/self_audit.py): a diffusion (or video) replica's start
-with `self_audit: off`, with `quick` on a first start (an empty record cache: it audits) and on a second start (its
+"""What a replica's start-up self-audit costs (stages/diffusion/self_audit.py, stages/llm/self_audit.py): a diffusion,
+video or LLM replica's start with `self_audit: off`, with `quick` on a first start (an empty record cache: it audits) and on a second start (its
 record reused), each start in a fresh process, as a replica starts, the modes alternating over repeats.
 
-A benchmark, not a test. A start is the Serve class's constructor (model load, kernels, golden self-check, self-audit,
-warm-up off), timed inside the process; the process's imports are not counted (the same for every mode).
+A benchmark, not a test. A start is the Serve class's constructor (model load or engine start, kernels, golden
+self-check, self-audit, warm-up off), timed inside the process; the process's imports are not counted (the same for
+every mode).
 
-    .venv/bin/python -m bench.self_audit --repeats 3 [--stage video] [--markdown FILE]
+    .venv/bin/python -m bench.self_audit --repeats 3 [--stage video|llm] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -22,28 +23,42 @@ from pathlib import Path
 from contracts.cpu import cpu_isa
 from evidence.report import environment
 
-#: One replica start in this process: prints {"seconds", "self_audit"} as JSON.
+#: One replica start in this process: prints {"seconds", "verified", "self_audit"} as JSON.
 START = """
-import json, sys, time
+import asyncio, json, sys, time
 from pathlib import Path
 import contracts.scope
 records = Path(sys.argv[1])
 contracts.scope.user_records = lambda: records
-from contracts.config import DiffusionStageConfig, VideoStageConfig
-video = sys.argv[3] == "video"
-if video:
-    from stages.diffusion.video_stage import VideoStage as Stage
-else:
-    from stages.diffusion import DiffusionStage as Stage
-Config = VideoStageConfig if video else DiffusionStageConfig
-config = Config(batch_invariant=True, warm_up=False, torch_threads=1, self_audit=sys.argv[2])
-started = time.monotonic()
-stage = Stage.func_or_class(config)
-seconds = time.monotonic() - started
-audit = stage.scope.self_audit
-stage.batching.engine.stop()
-print(json.dumps({"seconds": seconds, "verified": stage.scope.verdict.verified,
-                  "self_audit": audit.model_dump() if audit else None}))
+from contracts.config import DiffusionStageConfig, LLMStageConfig, VideoStageConfig
+settings = {"batch_invariant": True, "torch_threads": 1, "self_audit": sys.argv[2]}
+
+def diffusion(video):
+    if video:
+        from stages.diffusion.video_stage import VideoStage as Stage
+    else:
+        from stages.diffusion import DiffusionStage as Stage
+    config = (VideoStageConfig if video else DiffusionStageConfig)(warm_up=False, **settings)
+    started = time.monotonic()
+    stage = Stage.func_or_class(config)
+    seconds = time.monotonic() - started
+    stage.batching.engine.stop()
+    return seconds, stage.scope
+
+async def llm():
+    from stages.llm import LLMStage
+    stage = LLMStage.func_or_class.__new__(LLMStage.func_or_class)
+    started = time.monotonic()
+    await stage.__init__(LLMStageConfig(**settings))
+    seconds = time.monotonic() - started
+    stage.engine.shutdown()
+    return seconds, stage.engine.scope
+
+if __name__ == "__main__":
+    seconds, scope = asyncio.run(llm()) if sys.argv[3] == "llm" else diffusion(sys.argv[3] == "video")
+    audit = scope.self_audit
+    print(json.dumps({"seconds": seconds, "verified": scope.verdict.verified,
+                      "self_audit": audit.model_dump() if audit else None}))
 """
 
 MODES = ("off", "quick, first start", "quick, second start")
@@ -77,7 +92,7 @@ def markdown(results: dict[str, list[dict]], stage: str) -> str:
         "",
         f"`.venv/bin/python -m bench.self_audit {' '.join(sys.argv[1:])}` ({environment()['hardware']['cpu']}, CPU kernel path {cpu_isa()}); seconds per start, min / median / max over "
         f"{len(off)} repeats, each start a fresh process (constructor: timed inside it; process: its whole life, "
-        "imports of torch and diffusers included); ratios to `off` paired by repeat.",
+        "imports of torch, diffusers or vLLM included); ratios to `off` paired by repeat.",
         "",
         "| self_audit | constructor s | ratio to off | process s | ratio to off | rendered runs | verified | what it said |",
         "|---|---|---|---|---|---|---|---|",
@@ -101,7 +116,7 @@ def markdown(results: dict[str, list[dict]], stage: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--stage", choices=("diffusion", "video"), default="diffusion")
+    parser.add_argument("--stage", choices=("diffusion", "video", "llm"), default="diffusion")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     report = markdown(run(args.repeats, args.stage), args.stage)

@@ -81,6 +81,12 @@ class StageConfig(DeploymentConfig):
     # true: with invariance on, refuse to start outside the verified scope (contracts/scope.py), naming the
     # differences; false: start and report `verified: false`; null: follow OMNISERVE_STRICT_SCOPE (default off).
     strict: StrictBool | None = None
+    # With invariance on, before it takes traffic the replica audits its own configuration here (solo against
+    # co-batched, its kernels against stock: `stages.diffusion.self_audit`, `stages.llm.self_audit`) unless an earlier
+    # start's record of the same configuration covers it. quick: every batch size, the target in the middle (diffusion:
+    # 2 steps; LLM: the long prompt); full: first, middle and last (diffusion: 4 steps, the neighbours too; LLM: the
+    # short prompt too); off: the shipped and user records alone decide.
+    self_audit: Literal["quick", "full", "off"] = "quick"
 
 
 class LLMStageConfig(StageConfig):
@@ -146,11 +152,6 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     lora_cache_mib: Annotated[int, Field(ge=1)] = 256
     defaults: DiffusionDefaults = Field(default_factory=DiffusionDefaults)
     warm_up: bool = True
-    # With invariance on, before it takes traffic the replica audits its own configuration here (solo against
-    # co-batched, its kernels against stock: `stages.diffusion.self_audit`) unless an earlier start's record of the
-    # same configuration covers it. quick: every batch size, 2 steps; full: three orderings, 4 steps, the neighbours
-    # too; off: the shipped and user records alone decide.
-    self_audit: Literal["quick", "full", "off"] = "quick"
     # The health check fails (and Serve replaces the replica) when one step of the step engine, or one whole
     # batch with request batching, has run longer than this: the compute thread is stuck. Generous for CPUs.
     stuck_after_s: Annotated[float, Field(gt=0)] = 600.0

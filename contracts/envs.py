@@ -176,8 +176,8 @@ VARIABLES: dict[str, Variable] = {
             "OMNISERVE_TEST_FAULT",
             None,
             _text,
-            "tests only: kernels-uninstalled leaves a diffusion replica on stock kernels while its switch says on, "
-            "for its self-audit to catch",
+            "tests only: kernels-uninstalled leaves a diffusion or LLM replica on stock kernels while its switch says "
+            "on, for its self-audit to catch",
         ),
         Variable(
             "VLLM_CPU_ATTN_SPLIT_KV",

@@ -152,8 +152,9 @@ class SelfCheck(_Data):
 
 
 class SelfAudit(_Data):
-    """A replica's start-up audit of its own configuration (`stages.diffusion.self_audit`): its canonical requests
-    solo and co-batched with unlike neighbours, with its kernels and with stock kernels (the control)."""
+    """A replica's start-up audit of its own configuration (`stages.diffusion.self_audit`, `stages.llm.self_audit`):
+    its canonical requests solo and co-batched with unlike neighbours, with its kernels and with stock kernels (the
+    control)."""
 
     mode: Literal["quick", "full"]
     runs: int = 0  # co-batched renders compared with solo, kernels on and off together

@@ -34,24 +34,13 @@ from evidence.record import scope_entry
 from evidence.report import environment, summarize
 from stages.llm import LLMEngine
 from stages.llm.co_batched import generate_co_batched
+from stages.llm.self_audit import SEED as TARGET_SEED
+from stages.llm.self_audit import TARGETS, count_differences
 from stages.llm.self_check import NEIGHBOURS, CanonicalRequests, generation_digest
 from stages.scope import llm_configuration
 
-#: The targets: a short enhancement request, and a long one whose KV cache spans several blocks
-#: (and, with split-KV on, gets split across threads).
-TARGETS = {
-    "short": "a lighthouse on a cliff at dusk",
-    "long": (
-        "a lighthouse on a cliff at dusk, waves breaking on the rocks below, a narrow path winding up "
-        "the hill between wild flowers, a small house with a red door and a warm window, seagulls "
-        "circling in the wind, a fishing boat returning to the harbour with its lamps lit, clouds "
-        "torn open by the last light of the sun, the first stars over the sea, a dog sitting on the "
-        "steps and looking at the water, an old keeper climbing the stairs with a lantern, reflections "
-        "of the beam on the wet stones, a quiet village in the distance with smoke rising from the "
-        "chimneys, moss on the walls, rain drops on the glass, a detailed and calm scene"
-    ),
-}
-TARGET_SEED = 1234
+# The targets (a short enhancement request, and a long one whose KV cache spans several blocks and, with split-KV
+# on, gets split across threads) and their seed are the LLM self-audit's (stages/llm/self_audit.py).
 # The neighbours are the stage's canonical ones (stages.llm.self_check.NEIGHBOURS): the first n-1 join a batch of n.
 ORDERINGS = ("target-first", "target-last", "target-middle", "shuffled")
 SAMPLINGS = ("greedy", "seeded")
@@ -70,20 +59,6 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     # vLLM's compiled mode (Dynamo + Inductor) instead of eager.
     "compile": {"args": {"enforce_eager": False}, "env": {}},
 }
-
-
-def count_differences(reference: Generation, result: Generation) -> tuple[int, int, int]:
-    """(differing token ids, differing logprob values, total elements of the reference)."""
-    ref_ids, ids = reference.token_ids, result.token_ids
-    tokens = sum(a != b for a, b in zip(ref_ids, ids, strict=False)) + abs(len(ref_ids) - len(ids))
-    ref_top, top = reference.top_logprobs, result.top_logprobs
-    logprobs = 0
-    for i in range(max(len(ref_top), len(top))):
-        a = dict(ref_top[i]) if i < len(ref_top) else {}
-        b = dict(top[i]) if i < len(top) else {}
-        logprobs += sum(a.get(k) != b.get(k) for k in a.keys() | b.keys())
-    total = len(ref_ids) + sum(len(step) for step in ref_top)
-    return tokens, logprobs, total
 
 
 def batch_orders(batch_size: int, orderings: Iterable[str]) -> list[tuple[str, list[int]]]:

@@ -86,8 +86,9 @@ class StageHealth(BaseModel):
     # its verdict and, when unverified, why. Informative: an unverified replica still serves (unless strict).
     verified: bool | None = None
     scope: dict[str, Verdict] | None = None
-    # Per replica, its start-up self-audit (stages/diffusion/self_audit.py): mode, runs, seconds, whether the control
-    # varied, the differing cases, the record written or reused; null where it ran none (LLM, invariance off).
+    # Per replica, its start-up self-audit (stages/diffusion/self_audit.py, stages/llm/self_audit.py): mode, runs,
+    # seconds, whether the control varied, the differing cases, the record written or reused; null where it ran none
+    # (invariance off, self_audit off, an LLM on CUDA).
     self_audit: dict[str, Any] | None = None
 
 

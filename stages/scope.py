@@ -242,15 +242,21 @@ def diffusion_scope(
 
 
 def llm_scope(
-    engine, *, self_check: SelfCheck | None = None, configuration: Configuration | None = None
+    engine,
+    *,
+    self_check: SelfCheck | None = None,
+    configuration: Configuration | None = None,
+    self_audit: SelfAudit | None = None,
 ) -> ReplicaScope:
     """An LLM replica's scope: its engine's batch (`max_num_seqs`) must be audited; `self_check` (the replica's
     against the golden table, `stages.llm.self_check.llm_self_check`, run by the stage since it is async) decides
-    whether another machine's records cover it. `configuration`: the engine's, when the caller has it already."""
+    whether another machine's records cover it, `self_audit` (`stages.llm.self_audit`) whether this replica proved
+    itself here. `configuration`: the engine's, when the caller has it already."""
     return ReplicaScope(
         configuration or llm_configuration(engine),
         batch_invariant=engine.batch_invariant,
         batch_size=engine.config.max_num_seqs,
         strict=resolve_strict(engine.config.strict),
         self_check=self_check,
+        self_audit=self_audit,
     )

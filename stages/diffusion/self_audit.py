@@ -18,27 +18,14 @@ Whatever it finds is in `/health` (`details.self_audit`). A difference leaves th
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import contracts.scope
 from contracts import envs
 from contracts.sampling import DiffusionSamplingParams
-from contracts.scope import (
-    INVALID_RECORD,
-    AuditResult,
-    Configuration,
-    Coverage,
-    ScopeRecord,
-    SelfAudit,
-    differences,
-    load_records,
-    write_atomically,
-    write_record,
-)
+from contracts.scope import AuditResult, Configuration, Coverage, ScopeRecord, SelfAudit
+from stages.self_audit import audited_by, keep, reusable
 
 from .engine import Sample
 
@@ -84,23 +71,6 @@ def leave_kernels_out_under_test_fault(batch_invariant: bool) -> None:
 
     if batch_invariant and envs.read("OMNISERVE_TEST_FAULT") == "kernels-uninstalled":
         disable_batch_invariant_kernels()
-
-
-def _inconclusive() -> Path:
-    """Where a self-audit whose control never varied keeps its finding: not a record (it proves nothing, and
-    `load_records` never reads this folder), but the next start of the same configuration need not render it again."""
-    return contracts.scope.user_records() / "inconclusive"  # looked up per call: tests point it elsewhere
-
-
-def _reusable(configuration: Configuration, mode: str, batch_size: int, size: str) -> ScopeRecord | None:
-    """An earlier start's self-audit record (or inconclusive finding) that covers this configuration at least as this
-    mode would. A finding of differences is never kept: a replica that differed audits again at its next start."""
-    for record in load_records([contracts.scope.user_records(), _inconclusive()]):
-        gaps = differences(configuration, record, batch_size=batch_size, size=size)
-        if record.by_self_audit and set(ORDERINGS[mode]) <= set(record.coverage.orderings):
-            if not [gap for gap in gaps if gap != INVALID_RECORD or record.result.differing_with_kernels_on]:
-                return record
-    return None
 
 
 class _Plan:
@@ -171,7 +141,7 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
         return None
     mode, batch_size = config.self_audit, config.max_batch_size
     size = f"{renderer.defaults['width']}x{renderer.defaults['height']}"
-    reused = _reusable(configuration, mode, batch_size, size)
+    reused = reusable(configuration, ORDERINGS[mode], batch_size, size)
     if reused is not None:
         return SelfAudit(mode=mode, control_varied=reused.valid, record=reused.name, reused=True)
     started = time.monotonic()
@@ -198,17 +168,8 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
             invariant_runs=runs,
             differing_with_kernels_on=elements,
         ),
-        audited={
-            "by": "self-audit",
-            "replica": replica,
-            "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "seconds": audit.seconds,
-            "summary": f"{mode}: control varied in {control_runs} of {runs} co-batched runs, kernels on 0",
-        },
+        audited=audited_by(
+            replica, audit.seconds, f"{mode}: control varied in {control_runs} of {runs} co-batched runs, kernels on 0"
+        ),
     )
-    if record.valid:
-        write_record(record, contracts.scope.user_records())
-        return audit.model_copy(update={"record": record.name})
-    if not differing:  # inconclusive: kept so that the next start does not render it again
-        write_atomically(_inconclusive() / record.name, record)
-    return audit
+    return audit.model_copy(update={"record": keep(record)})

@@ -249,3 +249,20 @@ class InvarianceReportExtension:
 
     def omniserve_invariance_report(self) -> dict:
         return process_report()
+
+    def omniserve_self_audit_kernels(self, kernels: bool) -> dict:
+        """The LLM self-audit's switch (stages/llm/self_audit.py): our kernels in or out in this worker; its report
+        after."""
+        return audit_kernels(kernels)
+
+
+def audit_kernels(kernels: bool) -> dict:
+    """Out: the rerouted layers' F.linear reaches ATen's stock GEMM (the self-audit's control). In: the kernels this
+    process installed at load time, again (only where it had: a worker whose kernels never went in stays without)."""
+    from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
+
+    if not kernels or envs.read("OMNISERVE_TEST_FAULT") == "kernels-uninstalled":  # the fault keeps them out
+        disable_batch_invariant_kernels()
+    elif _state["kernels"] is not None:
+        enable_batch_invariant_kernels("cpu")
+    return process_report()

@@ -18,6 +18,7 @@ from stages.scope import llm_configuration, llm_scope
 
 from .engine import LLMEngine
 from .requests import LLMRequests
+from .self_audit import leave_kernels_out_under_test_fault, llm_self_audit
 from .self_check import llm_self_check
 
 ResultT = TypeVar("ResultT", RevisedPrompt, Completion)
@@ -42,8 +43,13 @@ class LLMStage:
             # With invariance on, the replica checks itself against the golden table first (no column: runs nothing).
             configuration = llm_configuration(self.engine)  # after start(): its workers report their threads
             self_check = await llm_self_check(self.engine, configuration) if self.engine.batch_invariant else None
+            await leave_kernels_out_under_test_fault(self.engine)
+            # Before traffic (Serve routes to a replica once its constructor returns): prove this configuration here.
+            audit = await llm_self_audit(self.engine, configuration, replica=replica_id())
             # Strict and outside the verified scope: refuses to start.
-            self.engine.scope = llm_scope(self.engine, self_check=self_check, configuration=configuration)
+            self.engine.scope = llm_scope(
+                self.engine, self_check=self_check, configuration=configuration, self_audit=audit
+            )
         except Exception:
             self.engine.shutdown()
             raise
@@ -88,6 +94,7 @@ class LLMStage:
             "requests_in_engine": self.engine.async_llm.get_num_unfinished_requests(),  # vLLM's own count
             "context_tokens": self.engine.max_model_len,
             "rewrite_prompt_tokens": self.requests.prompt_budget(self.engine.config.enhance_params(0)),
+            "self_audit": self.engine.scope.self_audit.model_dump() if self.engine.scope.self_audit else None,
         }
         return described.model_copy(
             update={"replica": replica_id(), "details": details, **self.engine.scope.provenance()}

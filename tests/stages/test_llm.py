@@ -13,7 +13,8 @@ import pytest
 from contracts import LLMSamplingParams, cpu
 from contracts.config import LLMStageConfig
 from contracts.results import Generation
-from evidence.llm import batch_orders, count_differences
+from evidence.llm import batch_orders
+from stages.llm.self_audit import count_differences
 from stages.llm.self_check import NEIGHBOURS
 from stages.embedded import EMBEDDED_MODELS, MARKER, embedded_models
 from stages.embedded import llm as embedded

@@ -57,7 +57,7 @@ async def main():
     stage_module.llm_self_check = self_check
     stage = LLMStage.func_or_class.__new__(LLMStage.func_or_class)
     started = time.monotonic()
-    await stage.__init__(LLMStageConfig(batch_invariant=True, torch_threads=1))
+    await stage.__init__(LLMStageConfig(batch_invariant=True, torch_threads=1, self_audit="off"))
     out = {"stage_start_s": time.monotonic() - started, "engine_start_s": stage.engine.startup_s, **timed}
     engine = stage.engine
     try:

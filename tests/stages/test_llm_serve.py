@@ -16,7 +16,7 @@ from contracts.config import LLMStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.results import Completion, RevisedPrompt, StageDescription
 from evidence.llm import TARGETS as AUDIT_TARGETS
-from evidence.llm import count_differences
+from stages.llm.self_audit import count_differences
 from stages.embedded import embedded_models
 from stages.embedded.llm import POSITIONS, SIZES, TINY, WIDE, ensure_tiny_llama
 from stages.llm import LLMStage
@@ -32,6 +32,8 @@ WELL_FORMED = re.compile(
 
 
 def deploy(name: str, config: LLMStageConfig):
+    # These replicas serve; their start-up self-audit is tests/stages/test_llm_self_audit.py's (20-40 s per start here).
+    config = config.model_copy(update={"self_audit": "off"})
     app = LLMStage.options(name=name, **config.deployment_options()).bind(config)
     return serve.run(app, name=name, route_prefix=None)
 
