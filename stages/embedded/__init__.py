@@ -84,6 +84,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         # and to chat (`training.rewriter`, committed).
         EmbeddedModel("embedded:tiny-rewriter", "llm", "rewriter", default=True, trained=True),
         EmbeddedModel("embedded:wide-llama", "llm", "wide-llama"),
+        # Llama 3.2 1B's widths and depth, random weights: the real-size LLM of the real-width audit (3.9 GB, built
+        # on first use).
+        EmbeddedModel("embedded:llama-1b-width", "llm", "llama-1b-width"),
     )
 }
 DEFAULT_MODELS: dict[str, str] = {m.stage: m.id for m in EMBEDDED_MODELS.values() if m.default}

@@ -156,8 +156,19 @@ WIDE = TinyLlamaSpec(
     num_attention_heads=16,
     num_key_value_heads=8,
 )
+#: Llama 3.2 1B's body (hidden 2048, FFN 8192, 16 layers, 32 heads, 8 KV heads) with the embedded tokenizer: the
+#: real-size LLM of the real-width audit (docs/performance/real-width.md). Random weights, 3.9 GB in float32; its LM head
+#: has the tokenizer's rows, not Llama's 128,256 (the body's GEMMs are the real model's, the head's are not).
+LLAMA_1B_WIDTH = TinyLlamaSpec(
+    name="llama-1b-width",
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)
 #: By recipe name (the registry's `EmbeddedModel.recipe`).
-SPECS = {spec.name: spec for spec in (TINY, WIDE)}
+SPECS = {spec.name: spec for spec in (TINY, WIDE, LLAMA_1B_WIDTH)}
 
 
 def model_dir(spec: TinyLlamaSpec = TINY) -> Path:

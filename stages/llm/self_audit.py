@@ -99,7 +99,11 @@ def count_differences(reference: Generation, result: Generation) -> tuple[int, i
 
 
 async def _kernels(engine, on: bool) -> None:
+    """Our kernels in or out of the engine's workers, and its prefix cache emptied: KV blocks the other kernels computed
+    (the shared system prompt's) must serve neither the control nor, after it, a single request."""
     await engine.async_llm.collective_rpc("omniserve_self_audit_kernels", args=(on,))
+    if not await engine.async_llm.reset_prefix_cache():
+        raise RuntimeError("the LLM self-audit could not empty the prefix cache after switching kernels")
 
 
 async def llm_self_audit(engine, configuration: Configuration, *, replica: str) -> SelfAudit | None:
