@@ -157,7 +157,7 @@ class SelfAudit(_Data):
     control)."""
 
     mode: Literal["quick", "full"]
-    runs: int = 0  # co-batched renders compared with solo, kernels on and off together
+    runs: int = 0  # co-batched runs compared with solo, kernels on (the control stops at the first that differs)
     seconds: float = 0.0
     control_varied: bool = False
     differing: list[str] = []  # the kernels-on cases whose target differed from solo, with their element counts

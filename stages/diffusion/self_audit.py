@@ -110,13 +110,14 @@ class _Plan:
 
         return [np.asarray(image) for image in engine.render([self.sample(r) for r in requests])]
 
-    def run(self, engine) -> tuple[int, list[str], int]:
-        """(arrangements where something differed from solo, the cases that did with their counts, the differing
-        elements in all); `full` also compares every neighbour with its own solo render."""
+    def run(self, engine, *, until_varied: bool = False) -> tuple[int, int, list[str], int]:
+        """(arrangements run, those where something differed from solo, the cases that did with their counts, the
+        differing elements in all); `full` also compares every neighbour with its own solo render. `until_varied` (the
+        control): the largest batches first, stopping at the first that differs, which is all a control must show."""
         solo = self.render(engine, [self.target])[0]
         solos = {r[0]: self.render(engine, [r])[0] for r in self.neighbours} if self.mode == "full" else {}
-        varied, cases, elements = 0, [], 0
-        for name, requests, at in self.arrangements:
+        ran, varied, cases, elements = 0, 0, [], 0
+        for name, requests, at in reversed(self.arrangements) if until_varied else self.arrangements:
             images = self.render(engine, requests)
             found = [(f"{name}: target", _differing(images[at], solo))]
             found += [
@@ -125,9 +126,12 @@ class _Plan:
                 if r[0] in solos
             ]
             cases += [f"{case} ({count} of {images[at].size} elements)" for case, count in found if count]
+            ran += 1
             varied += any(count for _, count in found)
             elements += sum(count for _, count in found)
-        return varied, cases, elements
+            if until_varied and varied:
+                break
+        return ran, varied, cases, elements
 
 
 def _differing(a, b) -> int:
@@ -146,15 +150,14 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
         return SelfAudit(mode=mode, control_varied=reused.valid, record=reused.name, reused=True)
     started = time.monotonic()
     plan = _Plan(renderer, mode, batch_size)
-    _, differing, elements = plan.run(engine)
+    runs, _, differing, elements = plan.run(engine)
     with stock_kernels(renderer.device):
-        control_runs, _, _ = plan.run(engine)
-    runs = len(plan.arrangements)
+        control_runs, control_varied, _, _ = plan.run(engine, until_varied=True)
     audit = SelfAudit(
         mode=mode,
         runs=runs,
         seconds=round(time.monotonic() - started, 2),
-        control_varied=control_runs > 0,
+        control_varied=control_varied > 0,
         differing=differing,
     )
     record = ScopeRecord(
@@ -163,13 +166,15 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
             batch_sizes=list(range(1, batch_size + 1)), sizes=[size], orderings=list(ORDERINGS[mode]), steps=plan.steps
         ),
         result=AuditResult(
-            control_runs=runs,
+            control_runs=control_runs,
             control_varied=audit.control_varied,
             invariant_runs=runs,
             differing_with_kernels_on=elements,
         ),
         audited=audited_by(
-            replica, audit.seconds, f"{mode}: control varied in {control_runs} of {runs} co-batched runs, kernels on 0"
+            replica,
+            audit.seconds,
+            f"{mode}: control varied in {control_varied} of {control_runs} co-batched runs, kernels on 0 in {runs}",
         ),
     )
     return audit.model_copy(update={"record": keep(record)})

@@ -64,13 +64,16 @@ class _Plan:
             for ordering in self.orderings
         ]
 
-    async def run(self) -> tuple[list[str], int]:
-        """(the cases whose target differed from solo, with their counts; the differing elements in all)."""
+    async def run(self, *, until_varied: bool = False) -> tuple[int, list[str], int]:
+        """(arrangements run, the cases whose target differed from solo with their counts, the differing elements in
+        all). `until_varied` (the control): the largest batches first, stopping at the first that differs, which is all
+        a control must show."""
         requests = CanonicalRequests(self.engine, MAX_TOKENS)  # fresh vLLM requests: vLLM may mutate them
         target = lambda name, sampling: requests.enhancement(TARGETS[name], sampling, SEED)  # noqa: E731
         solos: dict[tuple[str, str], Generation] = {}
-        cases, elements = [], 0
-        for name, sampling, size, at in self.arrangements():
+        ran, cases, elements = 0, [], 0
+        arrangements = self.arrangements()
+        for name, sampling, size, at in reversed(arrangements) if until_varied else arrangements:
             if (name, sampling) not in solos:
                 (solos[name, sampling],) = await generate_co_batched(self.engine, [target(name, sampling)])
             batch = [requests.neighbour(i) for i in range(size - 1)]
@@ -79,8 +82,11 @@ class _Plan:
             count = tokens + logprobs
             if count:
                 cases.append(f"{name} prompt {sampling}, batch {size} at {at} ({count} elements)")
+            ran += 1
             elements += count
-        return cases, elements
+            if until_varied and cases:
+                break
+        return ran, cases, elements
 
 
 def count_differences(reference: Generation, result: Generation) -> tuple[int, int, int]:
@@ -120,13 +126,12 @@ async def llm_self_audit(engine, configuration: Configuration, *, replica: str) 
     if reused is not None:
         return SelfAudit(mode=mode, control_varied=reused.valid, record=reused.name, reused=True)
     started = time.monotonic()
-    differing, elements = await plan.run()
+    runs, differing, elements = await plan.run()
     try:
         await _kernels(engine, False)
-        varied, _ = await plan.run()
+        control_runs, varied, _ = await plan.run(until_varied=True)
     finally:
         await _kernels(engine, True)  # the replica serves as it started
-    runs = len(plan.arrangements())
     audit = SelfAudit(
         mode=mode,
         runs=runs,
@@ -142,13 +147,15 @@ async def llm_self_audit(engine, configuration: Configuration, *, replica: str) 
             detail={"targets": list(plan.targets), "samplings": list(SAMPLINGS), "max_tokens": MAX_TOKENS},
         ),
         result=AuditResult(
-            control_runs=runs,
+            control_runs=control_runs,
             control_varied=audit.control_varied,
             invariant_runs=runs,
             differing_with_kernels_on=elements,
         ),
         audited=audited_by(
-            replica, audit.seconds, f"{mode}: control varied in {len(varied)} of {runs} co-batched runs, kernels on 0"
+            replica,
+            audit.seconds,
+            f"{mode}: control varied in {len(varied)} of {control_runs} co-batched runs, kernels on 0 in {runs}",
         ),
     )
     return audit.model_copy(update={"record": keep(record)})
