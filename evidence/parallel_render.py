@@ -54,6 +54,8 @@ from stages.diffusion.engine import Sample, StepEngine
 from stages.diffusion.engine.families import DiTFamily, guided
 from stages.diffusion.renderer import DiffusionRenderer
 from stages.diffusion.self_check import image_digest
+from stages.embedded import EMBEDDED_MODELS
+from stages.embedded.diffusion import tiny_pipeline_path
 from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
 from stages.scope import diffusion_configuration
 
@@ -411,6 +413,8 @@ def render_parallel_runs(
         raise ValueError("a parallel render needs the request's seed: every worker draws the same noise from it")
     job = ParallelJob(model, prompt, dict(params), tuple(grids), tuple(kernels), step_engine, torch_threads, dtype)
     hold_process_to_path()  # the workers inherit the kernel path's limits
+    if model in EMBEDDED_MODELS:  # built here: a worker's build in its process group would save no text encoder
+        tiny_pipeline_path(EMBEDDED_MODELS[model].recipe)
     with tempfile.TemporaryDirectory(prefix="omniserve-parallel-") as directory:
         out, started = Path(directory) / "rank0.pickle", time.perf_counter()
         mp.spawn(_worker, args=(job, str(Path(directory) / "store"), str(out)), nprocs=job.world, join=True)

@@ -157,6 +157,10 @@ def _checked(kind: str) -> str:
 def _save(kind: str, directory: Path) -> dict[str, Any]:
     """Build `kind` into `directory`; returns the record the cache keeps beside it (stages.embedded.MARKER)."""
     _build(kind).save_pretrained(directory)
+    # transformers writes a model only on rank 0 of an initialized torch.distributed group: built in another rank (a
+    # parallel render's worker), the text encoders' directories came out empty, and that build must not be cached.
+    if empty := sorted(p.name for p in directory.iterdir() if p.is_dir() and not any(p.iterdir())):
+        raise RuntimeError(f"building {MODEL_IDS[kind]} saved nothing for {', '.join(empty)}")
     return {
         "model_id": MODEL_IDS[kind],
         "kind": kind,

@@ -134,6 +134,20 @@ def test_tiny_pipeline_build_that_loses_the_race_is_discarded(tmp_path, monkeypa
     assert [entry.name for entry in tmp_path.iterdir()] == [path.name]  # no staging directory left behind
 
 
+def test_tiny_pipeline_built_in_a_distributed_rank_other_than_0_is_refused_not_cached(tmp_path, monkeypatch):
+    # transformers writes a model on rank 0 of an initialized torch.distributed group only: a parallel render's
+    # worker building the cache saved empty text encoder directories, and that build was cached (measured
+    # 2026-12-06: every later load of tiny-sd3-dit failed). Here rank 1 of a group, as transformers reads it.
+    import transformers.distributed.mixin as mixin
+
+    monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    with pytest.raises(RuntimeError, match="saved nothing for text_encoder, text_encoder_2"):
+        tiny_pipeline_path("dit")
+    assert list(tmp_path.iterdir()) == []  # nothing cached, no staging directory left
+
+
 def test_tiny_pipeline_leftover_of_a_crashed_build_is_replaced(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
     target = tmp_path / f"{MODEL_IDS['unet'].replace('/', '--')}-v{RECIPE_VERSION}"
