@@ -127,7 +127,7 @@ def audit(args: argparse.Namespace) -> int:
     from evidence.record import record_report
     from evidence.report import markdown_table, write_outputs
 
-    command = ["omniserve", *sys.argv[1:]]
+    command = ["omniserve", *args.argv]
     if args.real_width:
         return _real_width(args, command)
     if args.stage is None:
@@ -193,7 +193,7 @@ def bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    command = ["omniserve", *sys.argv[1:]]
+    command = ["omniserve", *args.argv]
     module, report = (_bench_run if args.stage == "diffusion" else _stage_run)(args, command)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -716,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     hold_process_to_path()  # ATen, oneDNN and MKL at the kernel path's level, before their first use
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What a report records as its command: the arguments given (a caller's own, when it calls main with them).
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.command is None:
         parser.print_help()
         return 0
