@@ -145,6 +145,14 @@ class RenderCheckpoint(Result):
     made_by: str
 
 
+class RenderMoved(Result):
+    """The render's last item when its replica stops (a scale-down, a redeploy) while it runs: the replica handed it
+    off at a step boundary, and its caller sends it again, to another replica, from `checkpoint` (None: it had not
+    stepped yet, so it starts there from its first step). What the client was sent (previews) is not sent again."""
+
+    checkpoint: RenderCheckpoint | None = None
+
+
 class StageDescription(Provenance):
     """A replica's own view of itself, for /health and /v1/models."""
 

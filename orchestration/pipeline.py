@@ -16,7 +16,8 @@ with n=1 and seed=s_i reproduces it bit for bit, revised prompt included, stream
 (the client's prompt, the rewrite and its params) goes to the diffusion stage, which writes it into the PNG
 (`contracts.provenance`). The stages admit what they are handed again, with the same functions (contracts.admission).
 An image is sent again after an infrastructure failure only while none of its items has come: once a preview has
-been sent, a failure ends the stream with an error event.
+been sent, a failure ends the stream with an error event. An image whose replica stops under it (a scale-down, a
+redeploy) is handed off (`RenderMoved`) and sent again from the step it had reached, previews included.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerat
 from contracts.images import admit_image, edit_size
 from contracts.jobs import RenderJob
 from contracts.provenance import ImageOrigin
-from contracts.results import PartialImage, RenderedImage, RevisedPrompt
+from contracts.results import PartialImage, RenderedImage, RenderMoved, RevisedPrompt
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import seed_or_picked, seeds_for_request
 
@@ -181,6 +182,7 @@ class ImagePipeline:
         self.retrying = retrying
         self.rewrites = rewrites or RewriteCache(0)
         self.kept = images or ResultCache("image", 0)
+        self.handed_off_mid_render = 0  # images a stopping replica handed off with their state (not before a step)
 
     async def rewrite(self, prompt: str, llm_params: LLMSamplingParams) -> RevisedPrompt:
         """The prompt's rewrite: kept from before, else from the LLM stage (and then kept)."""
@@ -218,13 +220,20 @@ class ImagePipeline:
             prompt=prompt, params=params, origin=origin, image=plan.image, partial_images=plan.partial_images
         )
         what = "a render" if plan.image is None else "an edit"
-        # A handle with stream=True answers with a DeploymentResponseGenerator.
+
+        def send() -> DeploymentResponseGenerator:  # a handle with stream=True answers with a generator
+            return cast(DeploymentResponseGenerator, self.diffusion.options(stream=True).render.remote(job))
+
         async for item in self.retrying.stream(
             what,
-            lambda: cast(DeploymentResponseGenerator, self.diffusion.options(stream=True).render.remote(job)),
+            send,
             last=lambda item: isinstance(item, RenderedImage),
+            moved=lambda item: isinstance(item, RenderMoved),
         ):
-            if isinstance(item, PartialImage):
+            if isinstance(item, RenderMoved):  # its replica stopped: sent again from where it was
+                job = job.model_copy(update={"resume": item.checkpoint or job.resume})
+                self.handed_off_mid_render += item.checkpoint is not None
+            elif isinstance(item, PartialImage):
                 yield item
             else:
                 result = ImageResult(revised_prompt=prompt, image=item, rewrite=rewrite, cache=cache)

@@ -64,6 +64,7 @@ class Retrying:
     def __init__(self, window_s: float, backoff_s: float, *, jitter: Callable[[], float] = random.random):
         self.window_s, self.backoff_s, self.jitter = window_s, backoff_s, jitter
         self.retried = 0  # calls sent again since start, for /health
+        self.moved = 0  # streamed calls sent again because their replica handed them off (it was stopping)
 
     async def call(self, what: str, send: Callable[[], Awaitable[T]]) -> T:
         failures = _Failures(self, what)
@@ -80,26 +81,36 @@ class Retrying:
         *,
         restart: bool = False,
         last: Callable[[T], bool] = lambda _: False,
+        moved: Callable[[T], bool] = lambda _: False,
     ) -> AsyncIterator[T]:
         """A streamed call's items, sent again after an infrastructure failure only while none has come: once an
         item is on its way to the client, a second attempt would repeat it. `restart`: sent again whatever has come,
         its items then coming again from the first (a caller that keeps only the latest, as a video job's progress).
         `last(item)`: the stream's final item, after which its end is not awaited (a replica killed between its last
-        item and its end of stream failed a call whose answer had come: a 503, seen in the replica-loss loop)."""
+        item and its end of stream failed a call whose answer had come: a 503, seen in the replica-loss loop).
+        `moved(item)`: the replica handed the call off (it is stopping): yielded, so that the caller's next `send()`
+        goes on from where it was, then sent again after a short wait (Serve routes it elsewhere meanwhile)."""
         failures = _Failures(self, what)
         while True:
             started = False
             try:
                 async for item in send():
-                    started = True
                     yield item
+                    if moved(item):
+                        break
+                    started = True
                     if last(item):
                         return
-                return
+                else:
+                    return
             except Exception as exc:
                 if started and not restart:
                     raise
                 await failures.again_or_raise(exc)
+                continue
+            self.moved += 1
+            record("omniserve_retries_total", call=what, cause="handed off")
+            await asyncio.sleep(self.wait_s(1))
 
     def wait_s(self, retry: int) -> float:
         """The wait before retry number `retry` (1, 2, ...): exponential, capped, then between half and all of it."""

@@ -36,7 +36,7 @@ from contracts.admission import admit_diffusion_params
 from contracts.config import VideoStageConfig
 from contracts.errors import InvalidRequestError, ModelNotFoundError, NotFoundError, QueueFullError
 from contracts.jobs import RenderJob
-from contracts.results import RenderCheckpoint, RenderedVideo, RenderProgress, StageDescription
+from contracts.results import RenderCheckpoint, RenderedVideo, RenderMoved, RenderProgress, StageDescription
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import seed_or_picked
 from contracts.videos import Video, VideoCreateRequest, VideoDeleted, VideoError, clip_seconds
@@ -106,6 +106,11 @@ class _Job:
         self.video = self.video.updated(progress=min(RENDERED_PROGRESS, 100 * item.step // item.steps), **update)
         self.resuming = None
         return resumed
+
+    def kept(self, item: RenderCheckpoint | RenderMoved) -> None:
+        """Its render's latest state: a checkpoint it streamed, or the one its stopping replica handed off with."""
+        state = item if isinstance(item, RenderCheckpoint) else item.checkpoint
+        self.checkpoint = state or self.checkpoint
 
     def finished(self, ttl_s: float, **fields: Any) -> None:
         """Completed or failed (`fields` say which and how): kept `ttl_s` from now, its checkpoint let go."""
@@ -204,13 +209,13 @@ class VideoJobs:
 
             # A replica lost mid-render: the render goes on on another from its last checkpoint (the same bytes: a
             # function of the request), its progress from there; nothing has reached the client but progress.
-            async for item in self.pipeline.retrying.stream(
-                "a video", send, restart=True, last=lambda item: isinstance(item, RenderedVideo)
-            ):
+            # Handed off (RenderMoved: its replica stopped), it goes on from the step it had reached.
+            last, moved = (lambda item: isinstance(item, RenderedVideo)), (lambda item: isinstance(item, RenderMoved))
+            async for item in self.pipeline.retrying.stream("a video", send, restart=True, last=last, moved=moved):
                 if isinstance(item, RenderProgress):
                     self.resumed += job.progressed(item)
-                elif isinstance(item, RenderCheckpoint):
-                    job.checkpoint = item
+                elif isinstance(item, (RenderCheckpoint, RenderMoved)):
+                    job.kept(item)
                 else:
                     self._completed(job, cast(RenderedVideo, item))
         except asyncio.CancelledError:

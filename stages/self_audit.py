@@ -10,11 +10,23 @@ is never kept, so that replica audits again at its next start.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import contracts.scope
-from contracts.scope import INVALID_RECORD, Configuration, ScopeRecord, differences, load_records, write_atomically
+from contracts.scope import (
+    INVALID_RECORD,
+    AuditResult,
+    Configuration,
+    Coverage,
+    ScopeRecord,
+    SelfAudit,
+    differences,
+    load_records,
+    write_atomically,
+)
 
 
 def inconclusive() -> Path:
@@ -36,15 +48,51 @@ def reusable(
     return None
 
 
-def audited_by(replica: str, seconds: float, summary: str) -> dict:
-    """A self-audit record's `audited` section."""
-    return {
-        "by": "self-audit",
-        "replica": replica,
-        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "seconds": seconds,
-        "summary": summary,
-    }
+@dataclass(frozen=True)
+class Finding:
+    """What one start's self-audit rendered: `runs` with the kernels (the `differing` cases, `elements` in all) and
+    `control_runs` with stock kernels, of which `control_varied` differed co-batched from solo."""
+
+    runs: int
+    differing: list[str]
+    elements: int
+    control_runs: int
+    control_varied: int
+
+
+def kept(
+    finding: Finding, configuration: Configuration, coverage: Coverage, *, mode: str, replica: str, started: float
+) -> SelfAudit:
+    """The finding as the replica reports it, its record written as `keep` decides (its name in `record`)."""
+    audit = SelfAudit(
+        mode=mode,
+        runs=finding.runs,
+        seconds=round(time.monotonic() - started, 2),
+        control_varied=finding.control_varied > 0,
+        differing=finding.differing,
+    )
+    summary = (
+        f"{mode}: control varied in {finding.control_varied} of {finding.control_runs} co-batched runs, "
+        f"kernels on 0 in {finding.runs}"
+    )
+    record = ScopeRecord(
+        configuration=configuration,
+        coverage=coverage,
+        result=AuditResult(
+            control_runs=finding.control_runs,
+            control_varied=audit.control_varied,
+            invariant_runs=finding.runs,
+            differing_with_kernels_on=finding.elements,
+        ),
+        audited={
+            "by": "self-audit",
+            "replica": replica,
+            "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "seconds": audit.seconds,
+            "summary": summary,
+        },
+    )
+    return audit.model_copy(update={"record": keep(record)})
 
 
 def keep(record: ScopeRecord) -> str | None:

@@ -57,6 +57,7 @@ SCOPE_SECONDS = {
     "tests/stages/test_llm.py": 70,
     "tests/stages/test_kernels.py": 60,
     "tests/reliability/test_replica_loss.py": 60,
+    "tests/reliability/test_scale_down.py": 40,
     "tests/test_make_serve.py": 60,
     "tests/stages/test_llm_audit.py": 55,
     "tests/bench/test_llm.py": 45,

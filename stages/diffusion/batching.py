@@ -2,15 +2,18 @@
 
 StepBatching         the pipelines the step engine knows (`stages.diffusion.engine`): samples join and leave
                      between denoising steps, cancelled ones leave at the next step boundary; image edits
-                     (image-to-image, `stages.diffusion.engine.img2img`) run there only.
+                     (image-to-image, `stages.diffusion.engine.img2img`) run there only; when Serve stops the
+                     replica, its samples are handed off at the next step boundary to go on on another replica.
 RequestBatching      any other pipeline: one @serve.batch queue per batch key, whole requests.
 updates_then_result  one job as a stream: its previews as the engine decodes them (and, asked, its progress after
-                     each step), then its image or video.
+                     each step), then its image or video (or RenderMoved: handed off).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -18,11 +21,17 @@ from typing import Any, cast
 from ray import serve
 
 from contracts.config import DiffusionStageConfig
-from contracts.results import PartialImage, RenderCheckpoint, RenderedImage, RenderProgress
+from contracts.results import PartialImage, RenderCheckpoint, RenderedImage, RenderMoved, RenderProgress
 from stages.diffusion.engine import Sample, StepEngine
+from stages.diffusion.engine.checkpoint import Moved
 from stages.metrics import record_queue_wait
+from stages.serve_replica import ReplicaLifecycle
 
 from .renderer import BatchKey, DiffusionRenderer, Job, encode_png
+
+logger = logging.getLogger("ray.serve")
+#: How often a replica looks whether Serve began stopping it: a sample hands off within a step of that and this.
+STOP_POLL_S = 0.2
 
 
 class StepBatching:
@@ -39,6 +48,23 @@ class StepBatching:
             pack_sizes=config.pack_sizes,
         )
         self.rendered = rendered  # (job, float image, batch_size, steps_co_batched, steps_computed) -> RenderedImage
+        self.lifecycle = ReplicaLifecycle()
+        if self.lifecycle.readable:
+            threading.Thread(target=self._hand_off_when_stopped, name="diffusion-hand-off", daemon=True).start()
+
+    def _hand_off_when_stopped(self) -> None:
+        """Serve began stopping this replica: hand what it renders to another one at the next step boundary, where
+        another runs (each goes on there from its step, the same bytes); else finish it here, within the
+        deployment's `graceful_shutdown_timeout_s`."""
+        while not self.lifecycle.stopping():
+            if not self.engine.alive:
+                return
+            time.sleep(STOP_POLL_S)
+        if self.lifecycle.others_running():
+            logger.info("stopping: the samples in flight are handed off to another replica at the next step")
+            self.engine.hand_off()
+        else:
+            logger.info("stopping with no other replica running: the samples in flight are finished here")
 
     async def render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> RenderedImage:
         """Render one job; `on_preview(index, float image)` is called on the engine's thread at `job.previews`,
@@ -163,7 +189,8 @@ def _settle(future: asyncio.Future, result: Any) -> None:
 async def updates_then_result(render, job: Job, *, progress: bool = False, made_by: str = ""):
     """`render(job, on_preview, on_step, on_checkpoint)` as a stream: each PartialImage as the engine decodes it,
     (`progress`) a RenderProgress after each step and (`job.checkpoint_every`) a RenderCheckpoint of the stage
-    `made_by` every so many steps, then the result (RenderedImage, RenderedVideo)."""
+    `made_by` every so many steps, then the result (RenderedImage, RenderedVideo), or RenderMoved where the engine
+    handed the job off (its replica stops)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     steps = cast(int, job.params.num_inference_steps)  # resolved: set
@@ -186,6 +213,13 @@ async def updates_then_result(render, job: Job, *, progress: bool = False, made_
     try:
         while (item := await queue.get()) is not None:
             yield item
-        yield rendering.result()
+        try:
+            yield rendering.result()
+        except Moved as moved:
+            state = moved.state
+            made = (
+                None if state is None else RenderCheckpoint(step=moved.step, steps=steps, state=state, made_by=made_by)
+            )
+            yield RenderMoved(checkpoint=made)
     finally:
         rendering.cancel()  # the caller went away: the sample leaves the engine at its next step

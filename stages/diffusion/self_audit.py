@@ -24,8 +24,8 @@ from typing import Any
 
 from contracts import envs
 from contracts.sampling import DiffusionSamplingParams
-from contracts.scope import AuditResult, Configuration, Coverage, ScopeRecord, SelfAudit
-from stages.self_audit import audited_by, keep, reusable
+from contracts.scope import Configuration, Coverage, SelfAudit
+from stages.self_audit import Finding, kept, reusable
 
 from .engine import Sample
 
@@ -153,28 +153,8 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
     runs, _, differing, elements = plan.run(engine)
     with stock_kernels(renderer.device):
         control_runs, control_varied, _, _ = plan.run(engine, until_varied=True)
-    audit = SelfAudit(
-        mode=mode,
-        runs=runs,
-        seconds=round(time.monotonic() - started, 2),
-        control_varied=control_varied > 0,
-        differing=differing,
+    finding = Finding(runs, differing, elements, control_runs, control_varied)
+    coverage = Coverage(
+        batch_sizes=list(range(1, batch_size + 1)), sizes=[size], orderings=list(ORDERINGS[mode]), steps=plan.steps
     )
-    record = ScopeRecord(
-        configuration=configuration,
-        coverage=Coverage(
-            batch_sizes=list(range(1, batch_size + 1)), sizes=[size], orderings=list(ORDERINGS[mode]), steps=plan.steps
-        ),
-        result=AuditResult(
-            control_runs=control_runs,
-            control_varied=audit.control_varied,
-            invariant_runs=runs,
-            differing_with_kernels_on=elements,
-        ),
-        audited=audited_by(
-            replica,
-            audit.seconds,
-            f"{mode}: control varied in {control_varied} of {control_runs} co-batched runs, kernels on 0 in {runs}",
-        ),
-    )
-    return audit.model_copy(update={"record": keep(record)})
+    return kept(finding, configuration, coverage, mode=mode, replica=replica, started=started)

@@ -22,8 +22,8 @@ import time
 
 from contracts import envs
 from contracts.results import Generation
-from contracts.scope import AuditResult, Configuration, Coverage, ScopeRecord, SelfAudit
-from stages.self_audit import audited_by, keep, reusable
+from contracts.scope import Configuration, Coverage, SelfAudit
+from stages.self_audit import Finding, kept, reusable
 
 from .co_batched import generate_co_batched
 from .self_check import NEIGHBOURS, CanonicalRequests
@@ -132,33 +132,13 @@ async def llm_self_audit(engine, configuration: Configuration, *, replica: str) 
         control_runs, varied, _ = await plan.run(until_varied=True)
     finally:
         await _kernels(engine, True)  # the replica serves as it started
-    audit = SelfAudit(
-        mode=mode,
-        runs=runs,
-        seconds=round(time.monotonic() - started, 2),
-        control_varied=bool(varied),
-        differing=differing,
+    coverage = Coverage(
+        batch_sizes=list(range(1, batch_size + 1)),
+        orderings=list(plan.orderings),
+        detail={"targets": list(plan.targets), "samplings": list(SAMPLINGS), "max_tokens": MAX_TOKENS},
     )
-    record = ScopeRecord(
-        configuration=configuration,
-        coverage=Coverage(
-            batch_sizes=list(range(1, batch_size + 1)),
-            orderings=list(plan.orderings),
-            detail={"targets": list(plan.targets), "samplings": list(SAMPLINGS), "max_tokens": MAX_TOKENS},
-        ),
-        result=AuditResult(
-            control_runs=control_runs,
-            control_varied=audit.control_varied,
-            invariant_runs=runs,
-            differing_with_kernels_on=elements,
-        ),
-        audited=audited_by(
-            replica,
-            audit.seconds,
-            f"{mode}: control varied in {len(varied)} of {control_runs} co-batched runs, kernels on 0 in {runs}",
-        ),
-    )
-    return audit.model_copy(update={"record": keep(record)})
+    finding = Finding(runs, differing, elements, control_runs, len(varied))
+    return kept(finding, configuration, coverage, mode=mode, replica=replica, started=started)
 
 
 async def leave_kernels_out_under_test_fault(engine) -> None:

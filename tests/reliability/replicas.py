@@ -6,10 +6,13 @@ replica answers late. The table in Ray's control store lists every live replica 
 state API reads it through the dashboard, which the tests' instances do not start, so this reads it directly.)
 """
 
+import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 
+import httpx
 from ray._private import state
 
 
@@ -41,3 +44,29 @@ def kill_when_busy(app_name: str, deployment: str, victim: int, timeout_s: float
             break
     os.kill(victim, signal.SIGKILL)
     return time.monotonic()
+
+
+async def image_load(
+    url: str, body: Callable[[int], dict], requests: int, concurrency: int, *, after: int = 0, during=None
+) -> list[httpx.Response]:
+    """`requests` image requests (`body(i)`) at `concurrency`; `during()` runs (in a thread, the load going on) once
+    `after` of them have answered.
+
+    Counted, not timed: on a fast machine the whole load can finish within any fixed delay, and the fault then
+    proves nothing. After `after` answers, `concurrency` requests are in flight (asserted)."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+
+        async def one(i):
+            async with gate:
+                return await client.post("/v1/images/generations", json=body(i))
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(requests)]
+        if during is not None:
+            answered = asyncio.as_completed(tasks)
+            for _ in range(after):
+                await next(answered)
+            pending = sum(not t.done() for t in tasks)
+            assert pending >= concurrency, f"only {pending} requests left when the fault was to come"
+            await asyncio.to_thread(during)
+        return await asyncio.gather(*tasks)

@@ -46,27 +46,9 @@ def body(i: int) -> dict:
 
 
 async def load(url: str, during=None) -> list[httpx.Response]:
-    """REQUESTS requests at CONCURRENCY; `during()` runs once KILL_AFTER_DONE of them have answered.
-
-    Counted, not timed: on a fast machine the whole load can finish within any fixed delay, and the kill
-    then proves nothing. After KILL_AFTER_DONE answers, CONCURRENCY requests are in flight on both replicas.
-    """
-    gate = asyncio.Semaphore(CONCURRENCY)
-    async with httpx.AsyncClient(base_url=url, timeout=180) as client:
-
-        async def one(i):
-            async with gate:
-                return await client.post("/v1/images/generations", json=body(i))
-
-        tasks = [asyncio.ensure_future(one(i)) for i in range(REQUESTS)]
-        if during is not None:
-            answered = asyncio.as_completed(tasks)
-            for _ in range(KILL_AFTER_DONE):
-                await next(answered)
-            pending = sum(not t.done() for t in tasks)
-            assert pending >= CONCURRENCY, f"only {pending} requests left when the replica was to die"
-            await asyncio.to_thread(during)
-        return await asyncio.gather(*tasks)
+    """REQUESTS requests at CONCURRENCY; `during()` (the kill) once KILL_AFTER_DONE of them have answered, with
+    CONCURRENCY in flight on both replicas."""
+    return await replicas.image_load(url, body, REQUESTS, CONCURRENCY, after=KILL_AFTER_DONE, during=during)
 
 
 def replica_pids() -> set[int]:

@@ -15,9 +15,20 @@ TRAINED = DEFAULT_MODELS["diffusion"]
 FAMILIES = {"unet": UNET, "sdxl": SDXL, "dit": DIT, "flux": FLUX, "qwen": QWEN}
 
 
-@pytest.fixture(scope="module", params=[*((model, True) for model in FAMILIES.values()), (TRAINED, True),
-                                        *((model, False) for model in FAMILIES.values())],
-                ids=[*(f"{name}-on" for name in FAMILIES), "trained-on", *(f"{name}-control" for name in FAMILIES)])
+#: Every engine: each family with the kernels on, the trained default, each family's control (kernels off).
+ENGINES = [
+    *(pytest.param((model, True), id=f"{name}-on") for name, model in FAMILIES.items()),
+    pytest.param((TRAINED, True), id="trained-on"),
+    *(pytest.param((model, False), id=f"{name}-control") for name, model in FAMILIES.items()),
+]
+#: A check that is not of batch invariance (bits against diffusers, scheduling, bookkeeping) runs on these only:
+#: `@pytest.mark.parametrize("engine", ENGINES_ON, indirect=True)` (no control engine to skip on).
+ENGINES_ON = [p for p in ENGINES if p.values[0][1]]
+#: The families that pack sizes into one denoiser call (FLUX, Qwen-Image), on and control.
+ENGINES_PACKING = [p for p in ENGINES if p.values[0][0] in (FLUX, QWEN)]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
 def engine(request):
     """A step engine on each tiny pipeline (random weights: SD, SDXL, SD3, FLUX, Qwen-Image; and the trained default), kernels on and
     off (the control); `engine.invariant` says which."""

@@ -10,7 +10,9 @@ made again from the request, and the image differs, so the test can fail.
 """
 
 import asyncio
+import functools
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from contracts.results import RenderCheckpoint, RenderedVideo, RenderProgress
 from contracts.sampling import DiffusionSamplingParams, StepCache
 from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import Sample, StepEngine
+from stages.diffusion.engine.checkpoint import Moved
 from stages.kernels import disable_batch_invariant_kernels
 from tests.stages.conftest import DIT, UNET
 
@@ -113,6 +116,53 @@ def test_control_a_resume_from_the_latents_alone_differs(replicas, case):
     resumed.resume = latents_only(checkpoints[0], resumed)
     (image,) = second.render([resumed])
     assert not np.array_equal(image, uninterrupted)
+
+
+def test_samples_handed_off_at_a_step_boundary_go_on_on_another_engine_with_their_uninterrupted_bytes(replicas):
+    """What a replica that Serve stops does (`StepEngine.hand_off`): every sample in flight leaves at the next step
+    boundary with its state, and one arriving after leaves at once with none; each goes on on another engine,
+    co-batched, with the bytes it would have had. Control: the target's state cut to its latents differs."""
+    first, second = replicas[UNET]
+    fields = {"scheduler": "euler_ancestral"}
+    uninterrupted = first.render([sample(first, **fields), *neighbours(first)])
+    stopping = StepEngine(first.family, max_batch_size=8, torch_threads=1)
+    outcomes: dict[int, object] = {}
+    told = threading.Semaphore(0)
+
+    def tell(index: int, result: object) -> None:
+        outcomes[index] = result
+        told.release()
+
+    moving = [sample(first, **fields), *neighbours(first)]
+    moving[0].on_step = lambda step: stopping.hand_off() if step == 3 else None
+    try:
+        for index, one in enumerate(moving):
+            one.on_done = functools.partial(tell, index)
+            stopping.submit(one)
+        for _ in moving:
+            assert told.acquire(timeout=120)
+        late = sample(first, **fields)
+        late.on_done = functools.partial(tell, len(moving))
+        stopping.submit(late)
+        assert told.acquire(timeout=30)
+    finally:
+        stopping.stop()
+    moved = [outcomes[i] for i in range(len(moving))]
+    assert all(isinstance(m, Moved) for m in moved), moved
+    assert [m.step for m in moved] == [3, 3, 3, 3]  # one batch: all left after the step the hand-off followed
+    assert isinstance(outcomes[len(moving)], Moved) and outcomes[len(moving)].state is None
+
+    resumed = [sample(second, **fields), *neighbours(second)]
+    for one, m in zip(resumed, moved, strict=True):
+        one.resume = m.state
+    images = second.render(resumed[::-1])[::-1]  # another order, another engine
+    for index, (image, expected) in enumerate(zip(images, uninterrupted, strict=True)):
+        assert np.array_equal(image, expected), f"sample {index} handed off after step 3"
+
+    control = sample(second, **fields)
+    control.resume = latents_only(moved[0].state, control)
+    (image,) = second.render([control])
+    assert not np.array_equal(image, uninterrupted[0])
 
 
 def test_a_checkpoint_of_another_step_count_is_refused_naming_it(replicas):

@@ -25,6 +25,7 @@ from stages.diffusion.engine.img2img import edit_steps
 from stages.embedded import embedded_models
 
 # The invariance verdict of the step-engine tests; the engines are the `engine` fixture (tests/stages/conftest.py).
+from .conftest import ENGINES_ON
 from .test_step_engine import check
 
 pytestmark = pytest.mark.slow
@@ -79,9 +80,8 @@ def test_an_edit_runs_as_many_steps_as_diffusers_img2img_runs():
     assert (edit_steps(UNetFamily, 4, 0.2), edit_steps(DiTFamily, 4, 0.2)) == (0, 1)
 
 
+@pytest.mark.parametrize("engine", ENGINES_ON, indirect=True)  # bits against diffusers: with the kernels on, as served
 def test_a_solo_edit_gives_the_bytes_of_the_diffusers_img2img_pipeline(engine):
-    if not engine.invariant:
-        pytest.skip("bits against diffusers: checked with the kernels on, as served")
     schedulers = [None, *sorted(engine.renderer.family.SCHEDULERS)]
     for strength in (None, 0.5, 1.0):
         for scheduler in schedulers:

@@ -13,6 +13,7 @@ import pytest
 
 from contracts.sampling import DiffusionSamplingParams
 from stages.diffusion.engine import Sample
+from .conftest import ENGINES_ON, ENGINES_PACKING
 
 pytestmark = pytest.mark.slow
 TARGET = ("a red fox in the snow", 42)
@@ -90,12 +91,11 @@ def check(engine, equal: bool) -> None:
         assert not equal, "the control did not vary: this check could not fail"
 
 
+@pytest.mark.parametrize("engine", ENGINES_ON, indirect=True)  # bits against diffusers: with the kernels on, as served
 def test_a_solo_sample_gives_the_bytes_of_its_own_diffusers_pipeline(engine):
     """The family is its pipeline's `__call__` cut per step: alone, a sample gives what diffusers gives."""
     import torch
 
-    if not engine.invariant:
-        pytest.skip("bits against diffusers: checked with the kernels on, as served")
     requests = [{}, {"negative_prompt": "blurry", "guidance_scale": 7.0}]
     if "true_cfg_scale" in engine.renderer.pipe.__call__.__code__.co_varnames:
         requests.append({"negative_prompt": "blurry", "true_cfg_scale": 4.0})  # FLUX's second branch
@@ -184,9 +184,8 @@ def test_partial_images_do_not_change_the_final_bytes(engine):
 
 
 @SCHEDULING
+@pytest.mark.parametrize("engine", ENGINES_ON, indirect=True)  # scheduling, not bits: with the kernels on
 def test_a_short_request_sent_while_a_long_batch_runs_finishes_first_and_shares_forwards(engine):
-    if not engine.invariant:
-        pytest.skip("scheduling, not bits: checked once, with the kernels on")
     collector = Collector(engine)
     for i in range(8):
         collector.submit(f"long {i}", sample(engine, f"long {i}", i, num_inference_steps=32))
@@ -197,11 +196,10 @@ def test_a_short_request_sent_while_a_long_batch_runs_finishes_first_and_shares_
 
 
 @SCHEDULING
+@pytest.mark.parametrize("engine", ENGINES_ON, indirect=True)  # the bits' control: the packing test below
 def test_a_short_request_of_another_size_sent_while_long_ones_run_finishes_first_with_its_solo_bytes(engine):
     """FLUX packs sizes: the short one shares the long ones' forwards. The others call their denoiser per latent
     shape: the engine picks by fewest remaining steps across shapes, so the short one's forwards run between theirs."""
-    if not engine.invariant:
-        pytest.skip("scheduling across sizes, checked with the kernels on (the bits' control: the packing test below)")
     expected = solo(engine, "short", 99, num_inference_steps=4)
     collector = Collector(engine)
     longs = [f"long {i}" for i in range(4)]
@@ -215,10 +213,10 @@ def test_a_short_request_of_another_size_sent_while_long_ones_run_finishes_first
     assert short.largest_batch == (5 if engine.renderer.family.packs_sizes else 1)
 
 
+@pytest.mark.parametrize("engine", ENGINES_PACKING, indirect=True)  # the others call their denoiser per latent shape
 def test_samples_of_different_sizes_packed_into_one_call_give_their_solo_bytes(engine):
     """FLUX: token sequences padded to the longest, attention per sample (stages/diffusion/engine/packing.py)."""
-    if not engine.renderer.family.packs_sizes:
-        pytest.skip(f"{type(engine.renderer.family).__name__} calls its denoiser per latent shape")
+    assert engine.renderer.family.packs_sizes
     target = sample(engine, *TARGET)
     expected = solo(engine, *TARGET)
     others = [  # other sizes (wider, taller, smaller, larger), steps, true CFG
@@ -234,9 +232,8 @@ def test_samples_of_different_sizes_packed_into_one_call_give_their_solo_bytes(e
 
 
 @SCHEDULING
+@pytest.mark.parametrize("engine", ENGINES_ON, indirect=True)  # bookkeeping, not bits: with the kernels on
 def test_the_engine_keeps_nothing_per_request_key(engine):
-    if not engine.invariant:
-        pytest.skip("bookkeeping, not bits: checked once, with the kernels on")
     samples = [sample(engine, "keys", i, num_inference_steps=engine.renderer.min_steps, guidance_scale=1.5 + i / 1000) for i in range(64)]
     engine.render(samples)
     assert engine.load()["waiting"] == 0 and engine.load()["active"] == 0

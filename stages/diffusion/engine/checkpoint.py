@@ -57,6 +57,19 @@ def export_state(sample: Sample) -> bytes:
     return buffer.getvalue()
 
 
+class Moved(Exception):
+    """A sample handed off at a step boundary (`StepEngine.hand_off`): its state after `step` steps for a replica of
+    the same identity to go on from (None: it had not stepped, and starts anew there)."""
+
+    def __init__(self, step: int, state: bytes | None):
+        super().__init__(f"handed off after step {step}")
+        self.step, self.state = step, state
+
+    @classmethod
+    def of(cls, sample: Sample) -> Moved:
+        return cls(sample.step, export_state(sample) if sample.step else None)
+
+
 def resume(sample: Sample) -> None:
     """A prepared sample that resumes (`sample.resume`) put in its checkpoint's state; any other left as it is."""
     if sample.resume is not None:

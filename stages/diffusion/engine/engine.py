@@ -6,6 +6,10 @@ timesteps, step counts, guidance scales, negative prompts and schedulers. A canc
 decode are skipped if they have not happened). Nothing is kept per request key: the engine holds the samples
 in flight and nothing else.
 
+A replica that stops while samples run (a scale-down, a redeploy) hands them off (`hand_off`): at the next step boundary
+each leaves with its state (`checkpoint.Moved`) for its caller to send to another replica, where it goes on from
+that step with the same bytes; so does every sample that arrives after.
+
 Which samples share a step: the fewest remaining steps first (short requests are not stuck behind long
 ones), aged by the steps a sample has waited through (long ones are never starved), arrival order last.
 With the batch-invariant kernels on, none of this changes a sample's bits.
@@ -23,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from .checkpoint import export_state, resume
+from .checkpoint import Moved, export_state, resume
 from .families import Family
 from .sample import Sample
 
@@ -58,6 +62,7 @@ class StepEngine:
         self._wake = threading.Condition()
         self._arrivals = itertools.count()
         self._stopped = False
+        self._handing_off = False
         self.forwards = 0
         self.step_started: float | None = None  # time.monotonic() when the current step began; None: idle
         self._thread = threading.Thread(target=self._run, name="diffusion-engine", daemon=True)
@@ -77,6 +82,17 @@ class StepEngine:
         with self._wake:
             sample.cancelled = True
             self._wake.notify()
+
+    def hand_off(self) -> None:
+        """From the next step boundary on, every sample in flight or arriving leaves with its state (`Moved`), not
+        rendered further here."""
+        with self._wake:
+            self._handing_off = True
+            self._wake.notify()
+
+    @property
+    def handing_off(self) -> bool:
+        return self._handing_off
 
     def stop(self) -> None:
         with self._wake:
@@ -116,8 +132,17 @@ class StepEngine:
                     self._wake.wait()
                 if self._stopped:
                     return
-                joining, self.step_started = take_joining(self._waiting, self.max_batch_size), time.monotonic()
-                self._active = [s for s in self._active if not s.cancelled]
+                handing_off = self._handing_off
+                if handing_off:  # between two steps: every sample leaves as it is
+                    leaving = [s for s in (*self._active, *self._waiting) if not s.cancelled]
+                    self._active, self._waiting = [], deque()
+                else:
+                    joining, self.step_started = take_joining(self._waiting, self.max_batch_size), time.monotonic()
+                    self._active = [s for s in self._active if not s.cancelled]
+            if handing_off:
+                for sample in leaving:
+                    _tell(sample, _moved(sample))
+                continue
             with torch.inference_mode():
                 self._join(joining)
                 batch = self._pick()
@@ -226,6 +251,16 @@ def _checkpoint(sample: Sample) -> None:
         sample.on_checkpoint(sample.step, export_state(sample))
     except Exception:
         logger.exception("a step-boundary checkpoint failed")
+
+
+def _moved(sample: Sample) -> Moved:
+    """The sample handed off with its state; where that cannot be exported, without it (started anew elsewhere: the
+    same bytes, the steps done again)."""
+    try:
+        return Moved.of(sample)
+    except Exception:
+        logger.exception("a handed-off sample's state could not be exported")
+        return Moved(sample.step, None)
 
 
 def _show(sample: Sample, image: Any) -> None:
