@@ -66,6 +66,27 @@ def _megabytes(name: str, value: str) -> int:
     return megabytes
 
 
+def memory_bytes() -> int:
+    """What this process may use: the machine's physical memory, or its cgroup's limit where that is lower (a
+    container's `--memory`, a Kubernetes limit; cgroup v2, then v1)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as limit:
+                value = limit.read().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            return min(physical, int(value))
+    return physical
+
+
+def _packed_megabytes(name: str, value: str) -> int:
+    """"auto": half of what this process may use (`memory_bytes`), so the packed copies of a model's weights, as large
+    as the weights, are kept whole for any model that fits twice; a number: that many MiB."""
+    return memory_bytes() // 2 >> 20 if value == "auto" else _megabytes(name, value)
+
+
 def _not_zero(name: str, value: str) -> bool:
     return value != "0"
 
@@ -156,9 +177,10 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             "OMNISERVE_PACKED_WEIGHTS_MB",
-            "2048",
-            _megabytes,
-            "bound on the CPU kernels' packed copies of weights, per process (0: pack on every call)",
+            "auto",
+            _packed_megabytes,
+            "bound on the CPU kernels' packed copies of weights, per process, in MiB (auto: half the memory the "
+            "process may use; 0: pack on every call)",
         ),
         Variable(
             "OMNISERVE_VLLM_CPU_INVARIANT",

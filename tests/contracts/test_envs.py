@@ -46,3 +46,29 @@ def test_assign_returns_the_previous_value_for_an_exact_restore(monkeypatch):
     monkeypatch.delenv("OMNISERVE_TEST_NEW", raising=False)
     assert envs.assign("OMNISERVE_TEST_NEW", "1") is None and os.environ["OMNISERVE_TEST_NEW"] == "1"
     assert envs.assign("OMNISERVE_TEST_NEW", None) == "1" and "OMNISERVE_TEST_NEW" not in os.environ
+
+
+def test_the_packed_weights_bound_is_half_the_memory_the_process_may_use_unless_given(monkeypatch):
+    """A model larger than a fixed bound had its weights packed again at every forward (measured: 40 layers of
+    4096x4096 float32 under the old 2 GiB default, 5.3 s a forward against 0.12 s kept: docs/performance/price-of-stock.md)."""
+    assert envs.read("OMNISERVE_PACKED_WEIGHTS_MB", {}) == envs.memory_bytes() // 2 >> 20
+    assert envs.read("OMNISERVE_PACKED_WEIGHTS_MB", {"OMNISERVE_PACKED_WEIGHTS_MB": "512"}) == 512
+    with pytest.raises(ValueError, match="whole number of MiB"):
+        envs.read("OMNISERVE_PACKED_WEIGHTS_MB", {"OMNISERVE_PACKED_WEIGHTS_MB": "lots"})
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    real_open = open
+
+    def cgroup(limit: str):  # a container limited to `limit` bytes (cgroup v2's file)
+        def fake_open(path, *args, **kwargs):
+            if str(path) == "/sys/fs/cgroup/memory.max":
+                from io import StringIO
+
+                return StringIO(limit)
+            return real_open(path, *args, **kwargs)
+
+        return fake_open
+
+    monkeypatch.setattr("builtins.open", cgroup(f"{1 << 30}\n"))
+    assert envs.memory_bytes() == min(physical, 1 << 30)
+    monkeypatch.setattr("builtins.open", cgroup("max\n"))  # no limit: the machine's memory
+    assert envs.memory_bytes() <= physical
