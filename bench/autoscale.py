@@ -77,10 +77,10 @@ SETTLE_S = 120.0  # after the load, how long the count may take to fall back to 
 def diffusion_replicas(name: str = NAME) -> int:
     """RUNNING diffusion replicas of app `name`, as Serve's controller reports them now."""
     from ray import serve
-    from ray.serve._private.common import ReplicaState
 
-    deployment = serve.status().applications[name].deployments["DiffusionStage"]
-    return deployment.replica_states.get(ReplicaState.RUNNING, 0)
+    from stages.serve_replica import running
+
+    return running(serve.status().applications[name].deployments["DiffusionStage"])
 
 
 def render(base: str, body: dict, step: int = -1) -> dict[str, Any]:

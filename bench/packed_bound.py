@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
+
+from contracts import envs
 
 
 def run(layers: int, width: int, forwards: int) -> list[dict]:
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
             f"--width={args.width}",
             f"--forwards={args.forwards}",
         ]
-        env = {**os.environ, "OMNISERVE_PACKED_WEIGHTS_MB": bound}
-        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        with envs.overriding({"OMNISERVE_PACKED_WEIGHTS_MB": bound}):
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         for index, row in enumerate(json.loads(out.strip().splitlines()[-1])):
             print(
                 f"OMNISERVE_PACKED_WEIGHTS_MB={bound} forward {index}: {row['seconds']:.2f} s, packs {row['packs']}, "

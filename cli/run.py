@@ -38,10 +38,11 @@ def port_is_free(port: int) -> bool:
 def ingress_replicas() -> int:
     """How many ingress replicas run now, in every app of this instance (one per app by default)."""
     from ray import serve
-    from ray.serve._private.common import ReplicaState
+
+    from stages.serve_replica import running
 
     return sum(
-        deployment.replica_states.get(ReplicaState.RUNNING, 0)
+        running(deployment)
         for app in serve.status().applications.values()
         for name, deployment in app.deployments.items()
         if name == "Ingress"
@@ -90,11 +91,12 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     import ray
-    from ray.serve._private.constants import SERVE_NAMESPACE
     from ray.serve.scripts import cli
 
+    from stages.serve_replica import serve_namespace
+
     # The namespace `serve run` itself would use; a fresh instance, never someone else's cluster.
-    ray.init(address="local", namespace=SERVE_NAMESPACE, _metrics_export_port=args.metrics_port)
+    ray.init(address="local", namespace=serve_namespace(), _metrics_export_port=args.metrics_port)
     print(f"Prometheus metrics: http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
     # After ray.init: it installs Ray's own SIGTERM handler (a stack trace, then abort), which this one replaces.
     signal.signal(signal.SIGTERM, lambda *_: drain_then_stop(args.drain_timeout_s))

@@ -88,6 +88,13 @@ class StageConfig(DeploymentConfig):
     # short prompt too); off: the shipped and user records alone decide.
     self_audit: Literal["quick", "full", "off"] = "quick"
 
+    @field_validator("self_audit", mode="before")
+    @classmethod
+    def _yaml_off_is_off(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false (`self_audit: off` in a Serve config file, `llm.self_audit=off` on
+        `serve run`'s command line): the word was meant."""
+        return {False: "off", True: "quick"}.get(value, value) if isinstance(value, bool) else value
+
 
 class LLMStageConfig(StageConfig):
     max_model_len: Annotated[int, Field(ge=16)] = 1024

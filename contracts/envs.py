@@ -82,7 +82,7 @@ def memory_bytes() -> int:
 
 
 def _packed_megabytes(name: str, value: str) -> int:
-    """"auto": half of what this process may use (`memory_bytes`), so the packed copies of a model's weights, as large
+    """ "auto": half of what this process may use (`memory_bytes`), so the packed copies of a model's weights, as large
     as the weights, are kept whole for any model that fits twice; a number: that many MiB."""
     return memory_bytes() // 2 >> 20 if value == "auto" else _megabytes(name, value)
 

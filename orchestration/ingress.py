@@ -177,11 +177,7 @@ class Ingress:
     async def health(self) -> HealthResponse:
         report = await self.probe.report()
         report.ingress["retried_calls"] = self.retrying.retried  # calls sent again after an infrastructure failure
-        # Renders a stopping replica handed off, and of them those that went on from a step it had reached.
-        report.ingress["handed_off"] = {
-            "calls": self.retrying.moved,
-            "from_a_step": self.pipeline.handed_off_mid_render,
-        }
+        report.ingress["handed_off"] = {"calls": self.retrying.moved, "from_a_step": self.pipeline.moved_mid_render}
         if self.videos is not None:  # the jobs: how many, rendering, their bytes, renders started again
             report.ingress["video_jobs"] = await self.videos.jobs.stats.remote()
         # This replica's caches (each ingress replica keeps its own).

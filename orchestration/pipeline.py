@@ -182,7 +182,7 @@ class ImagePipeline:
         self.retrying = retrying
         self.rewrites = rewrites or RewriteCache(0)
         self.kept = images or ResultCache("image", 0)
-        self.handed_off_mid_render = 0  # images a stopping replica handed off with their state (not before a step)
+        self.moved_mid_render = 0  # images a stopping replica handed off with their state (not before a step)
 
     async def rewrite(self, prompt: str, llm_params: LLMSamplingParams) -> RevisedPrompt:
         """The prompt's rewrite: kept from before, else from the LLM stage (and then kept)."""
@@ -232,7 +232,7 @@ class ImagePipeline:
         ):
             if isinstance(item, RenderMoved):  # its replica stopped: sent again from where it was
                 job = job.model_copy(update={"resume": item.checkpoint or job.resume})
-                self.handed_off_mid_render += item.checkpoint is not None
+                self.moved_mid_render += item.checkpoint is not None
             elif isinstance(item, PartialImage):
                 yield item
             else:

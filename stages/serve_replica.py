@@ -1,4 +1,4 @@
-"""What a replica reads of Ray Serve that Serve does not publish: one home, guarded by the version it was read from.
+"""What the project reads of Ray Serve that Serve does not publish: one home, guarded by the version it was read from.
 
 Serve tells a replica nothing when it starts stopping it (a scale-down, a redeploy, its application deleted): it stops
 routing new calls to it, waits for the calls in flight (up to the deployment's `graceful_shutdown_timeout_s`), then
@@ -34,6 +34,20 @@ def _replica_impl() -> Any | None:
     return impl if isinstance(getattr(impl, "_shutting_down", None), bool) else None
 
 
+def serve_namespace() -> str:
+    """The Ray namespace `serve run` uses (Serve's own constant)."""
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    return SERVE_NAMESPACE
+
+
+def running(deployment: Any) -> int:
+    """A deployment's RUNNING replicas, from its `serve.status()` entry (its states are Serve's private enum)."""
+    return sum(
+        count for state, count in deployment.replica_states.items() if getattr(state, "value", state) == "RUNNING"
+    )
+
+
 class ReplicaLifecycle:
     """Whether Serve has begun stopping this replica, and whether another replica of its deployment runs."""
 
@@ -60,5 +74,4 @@ class ReplicaLifecycle:
         context = serve.get_replica_context()
         status = serve.status().applications.get(context.app_name)
         deployment = status.deployments.get(context.deployment) if status else None
-        states = deployment.replica_states if deployment else {}
-        return any(getattr(state, "value", state) == "RUNNING" and count for state, count in states.items())
+        return deployment is not None and running(deployment) > 0

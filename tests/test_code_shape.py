@@ -266,6 +266,12 @@ def test_each_rule_has_exactly_one_home(rule):
     assert len(found) == 1, f"{rule}: {found}"
 
 
+def test_ray_serves_private_state_is_read_in_one_adapter_only():
+    private = r"ray\.(serve\.)?_private|_replica_impl|_shutting_down"
+    found = {relative(path) for path in SOURCES if re.search(private, path.read_text())}
+    assert found == {"stages/serve_replica.py"}
+
+
 def test_vllms_private_names_are_read_in_one_adapter_only():
     found = {relative(path) for path in SOURCES if re.search(r"_batch_invariant_(LIB|MODE)\b", path.read_text())}
     assert found == {"stages/kernels/vllm_mode.py"}

@@ -60,7 +60,12 @@ class StepBatching:
             if not self.engine.alive:
                 return
             time.sleep(STOP_POLL_S)
-        if self.lifecycle.others_running():
+        try:
+            others = self.lifecycle.others_running()
+        except Exception:  # Serve's controller unreachable: finish here, as without a hand-off
+            logger.exception("stopping: could not read whether another replica runs; finishing here")
+            others = False
+        if others:
             logger.info("stopping: the samples in flight are handed off to another replica at the next step")
             self.engine.hand_off()
         else:

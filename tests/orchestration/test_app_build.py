@@ -143,6 +143,14 @@ def test_app_builder_accepts_dotted_command_line_arguments():
     assert (diffusion.num_replicas, llm.num_replicas) == (2, 1)
 
 
+def test_a_bare_off_from_yaml_or_the_command_line_means_the_word():
+    # YAML 1.1 reads `off` and `on` as booleans; `serve run ... llm.self_audit=off` exited with a validation error.
+    config = AppConfig.from_args({"llm.self_audit": "off", "diffusion.self_audit": "on", "video.self_audit": "full"})
+    assert (config.llm.self_audit, config.diffusion.self_audit, config.video.self_audit) == ("off", "quick", "full")
+    with pytest.raises(ValidationError, match="self_audit"):
+        AppConfig.from_args({"llm.self_audit": "3"})
+
+
 def test_example_yaml_is_a_valid_serve_config_scaling_the_stages_independently():
     from ray.serve.schema import ServeDeploySchema
 
