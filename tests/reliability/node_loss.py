@@ -178,10 +178,20 @@ def scenario(requests: int = REQUESTS) -> dict:
         health = httpx.get(f"{url}/health", timeout=60).json()
         figures["retried_calls"] = health["ingress"]["retried_calls"]
         figures["replicas_after_loss"] = sorted({v["node"] for v in replicas(raylets).values()})
-        third = cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
-        raylets["third"] = third.all_processes["raylet"][0].process.pid
-        figures["seconds_to_a_replica_on_the_new_node"] = wait_for(
-            lambda: "third" in {v["node"] for v in replicas(raylets).values()}, 180)
+        # A node added here once died a second after it registered (its raylet gone, no message; CI, 2 loaded cores):
+        # then nothing can come back on it, so another is added, and the figures say so.
+        figures["added_nodes_that_died"] = 0
+        for _ in range(2):
+            third = cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
+            raylet = third.all_processes["raylet"][0].process
+            raylets["third"] = raylet.pid
+            figures["seconds_to_a_replica_on_the_new_node"] = wait_for(
+                lambda: "third" in {v["node"] for v in replicas(raylets).values()} or raylet.poll() is not None, 180)  # noqa: B023
+            if raylet.poll() is None:
+                break
+            figures["added_nodes_that_died"] += 1
+            figures["seconds_to_a_replica_on_the_new_node"] = None
+            cluster.remove_node(third, allow_graceful=False)
         figures["seconds_from_node_loss_to_two_replicas"] = round(time.monotonic() - removed_at["t"], 1)
     finally:
         serve.shutdown()
