@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 import contracts.scope
+from cli.run import port_is_free
 from contracts import envs
 from contracts.cpu import cpu_isa
 from evidence.report import environment
@@ -157,19 +158,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
-    if _port_busy():
+    if not port_is_free(8000):
         raise SystemExit("port 8000 is in use: stop what serves there first")
     report = markdown(run(args.repeats))
     print(report)
     if args.markdown:
         args.markdown.write_text(report)
-
-
-def _port_busy() -> bool:
-    import socket
-
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", 8000)) == 0
 
 
 if __name__ == "__main__":

@@ -59,40 +59,39 @@ class Finding:
     control_runs: int
     control_varied: int
 
-
-def kept(
-    finding: Finding, configuration: Configuration, coverage: Coverage, *, mode: str, replica: str, started: float
-) -> SelfAudit:
-    """The finding as the replica reports it, its record written as `keep` decides (its name in `record`)."""
-    audit = SelfAudit(
-        mode=mode,
-        runs=finding.runs,
-        seconds=round(time.monotonic() - started, 2),
-        control_varied=finding.control_varied > 0,
-        differing=finding.differing,
-    )
-    summary = (
-        f"{mode}: control varied in {finding.control_varied} of {finding.control_runs} co-batched runs, "
-        f"kernels on 0 in {finding.runs}"
-    )
-    record = ScopeRecord(
-        configuration=configuration,
-        coverage=coverage,
-        result=AuditResult(
-            control_runs=finding.control_runs,
-            control_varied=audit.control_varied,
-            invariant_runs=finding.runs,
-            differing_with_kernels_on=finding.elements,
-        ),
-        audited={
-            "by": "self-audit",
-            "replica": replica,
-            "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "seconds": audit.seconds,
-            "summary": summary,
-        },
-    )
-    return audit.model_copy(update={"record": keep(record)})
+    def kept(
+        self, configuration: Configuration, coverage: Coverage, *, mode: str, replica: str, started: float
+    ) -> SelfAudit:
+        """The finding as the replica reports it, its record written as `keep` decides (its name in `record`)."""
+        audit = SelfAudit(
+            mode=mode,
+            runs=self.runs,
+            seconds=round(time.monotonic() - started, 2),
+            control_varied=self.control_varied > 0,
+            differing=self.differing,
+        )
+        summary = (
+            f"{mode}: control varied in {self.control_varied} of {self.control_runs} co-batched runs, "
+            f"kernels on 0 in {self.runs}"
+        )
+        record = ScopeRecord(
+            configuration=configuration,
+            coverage=coverage,
+            result=AuditResult(
+                control_runs=self.control_runs,
+                control_varied=audit.control_varied,
+                invariant_runs=self.runs,
+                differing_with_kernels_on=self.elements,
+            ),
+            audited={
+                "by": "self-audit",
+                "replica": replica,
+                "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "seconds": audit.seconds,
+                "summary": summary,
+            },
+        )
+        return audit.model_copy(update={"record": keep(record)})
 
 
 def keep(record: ScopeRecord) -> str | None:

@@ -25,7 +25,7 @@ from typing import Any
 from contracts import envs
 from contracts.sampling import DiffusionSamplingParams
 from contracts.scope import Configuration, Coverage, SelfAudit
-from stages.self_audit import Finding, kept, reusable
+from stages.self_audit import Finding, reusable
 
 from .engine import Sample
 
@@ -157,4 +157,4 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
     coverage = Coverage(
         batch_sizes=list(range(1, batch_size + 1)), sizes=[size], orderings=list(ORDERINGS[mode]), steps=plan.steps
     )
-    return kept(finding, configuration, coverage, mode=mode, replica=replica, started=started)
+    return finding.kept(configuration, coverage, mode=mode, replica=replica, started=started)

@@ -23,7 +23,7 @@ import time
 from contracts import envs
 from contracts.results import Generation
 from contracts.scope import Configuration, Coverage, SelfAudit
-from stages.self_audit import Finding, kept, reusable
+from stages.self_audit import Finding, reusable
 
 from .co_batched import generate_co_batched
 from .self_check import NEIGHBOURS, CanonicalRequests
@@ -138,7 +138,7 @@ async def llm_self_audit(engine, configuration: Configuration, *, replica: str) 
         detail={"targets": list(plan.targets), "samplings": list(SAMPLINGS), "max_tokens": MAX_TOKENS},
     )
     finding = Finding(runs, differing, elements, control_runs, len(varied))
-    return kept(finding, configuration, coverage, mode=mode, replica=replica, started=started)
+    return finding.kept(configuration, coverage, mode=mode, replica=replica, started=started)
 
 
 async def leave_kernels_out_under_test_fault(engine) -> None:

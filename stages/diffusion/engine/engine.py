@@ -90,10 +90,6 @@ class StepEngine:
             self._handing_off = True
             self._wake.notify()
 
-    @property
-    def handing_off(self) -> bool:
-        return self._handing_off
-
     def stop(self) -> None:
         with self._wake:
             self._stopped = True
