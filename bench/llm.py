@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from bench import paired as bench_paired
 from bench.paired import SETTINGS, closed_loop, setting_orders
 from bench.plot import ratio_picture
+from contracts.jobs import final
+from contracts.results import Completion
 from contracts.sampling import LLMSamplingParams
 from evidence.report import environment
 
@@ -54,7 +56,7 @@ def chat_call(requests, spec: LLMBenchSpec, seed_base: int) -> Callable:
         params = LLMSamplingParams(
             temperature=1.0, seed=seed_base + index, max_tokens=spec.max_tokens, min_tokens=spec.max_tokens
         )
-        completion = await requests.chat(messages, params)
+        completion = await final(requests.chat(messages, params), Completion)
         return completion.usage.completion_tokens
 
     return call

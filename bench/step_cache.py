@@ -48,7 +48,7 @@ def scenes(count: int, seed: int = 0) -> list[tuple[shapes.Scene, str]]:
     for i in range(count):
         shape, colour, background = held[i % len(held)]
         scene = shapes.Scene(shape, colour, background, rng.choice(shapes.SIZES), rng.choice(shapes.POSITIONS))
-        picked.append((scene, shapes.caption(scene, rng)))
+        picked.append((scene, scene.caption(rng)))
     return picked
 
 

@@ -9,13 +9,15 @@ last item (`final_image`).
 from __future__ import annotations
 
 from collections.abc import AsyncIterable
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import NonNegativeInt, StrictBytes, StrictStr
 
 from .provenance import ImageOrigin
 from .results import RenderCheckpoint, RenderedImage
 from .sampling import Contract, DiffusionSamplingParams, PartialImages
+
+T = TypeVar("T")
 
 
 class RenderJob(Contract):
@@ -36,11 +38,17 @@ class RenderJob(Contract):
         return "generation" if self.image is None else "edit"
 
 
-async def final_image(items: AsyncIterable[Any]) -> RenderedImage:
-    """The RenderedImage at the end of a `render` stream, previews skipped (a stage handle's or the stage's own)."""
+async def final(items: AsyncIterable[Any], kind: type[T]) -> T:
+    """The `kind` at the end of a stage's stream, the pieces before it skipped: a render's RenderedImage (previews
+    skipped), a chat's Completion (its pieces skipped)."""
     last = None
     async for item in items:
         last = item
-    if not isinstance(last, RenderedImage):
-        raise RuntimeError(f"a render stream ended without its image (last item: {type(last).__name__})")
+    if not isinstance(last, kind):
+        raise RuntimeError(f"a stream ended without its {kind.__name__} (last item: {type(last).__name__})")
     return last
+
+
+async def final_image(items: AsyncIterable[Any]) -> RenderedImage:
+    """The RenderedImage at the end of a `render` stream (a stage handle's or the stage's own)."""
+    return await final(items, RenderedImage)

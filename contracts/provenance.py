@@ -98,7 +98,7 @@ class ImageOrigin(_Record):
 
 
 class ImageRecord(_Record):
-    """Everything that re-creates one PNG; written into it (`png_info`) and read back (`read_record`)."""
+    """Everything that re-creates one PNG; written into it (`ImageRecord.png_info`) and read back (`read_record`)."""
 
     format: Literal["omniserve.image/1"] = FORMAT
     version: str
@@ -168,25 +168,39 @@ class ImageRecord(_Record):
             SOFTWARE_CHUNK: f"omniserve {self.version}",
         }
 
+    def png_info(self):
+        """PIL's PngInfo holding the chunks (uncompressed, in CHUNKS order: the same record, the same bytes)."""
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        for keyword, text in self.chunks().items():
+            if keyword == SOFTWARE_CHUNK:
+                info.add_text(keyword, text)
+            else:
+                info.add_itxt(keyword, text)
+        return info
+
+    def problems(self, chunks: dict[str, str], size: tuple[int, int]) -> list[str]:
+        """What in a file disagrees with this record: the derived chunks, the image's size, the record's own form
+        (each as this version writes it: a file of another version, or edited by hand, shows here)."""
+        problems = [
+            f"the {keyword!r} chunk differs from what the record implies"
+            for keyword, text in self.chunks().items()
+            if keyword != RECORD_CHUNK and chunks.get(keyword) != text
+        ]
+        if self.canonical() != chunks.get(RECORD_CHUNK):
+            problems.append(f"the {RECORD_CHUNK!r} chunk is not written as omniserve {project_version()} writes it")
+        if size != (self.params.width, self.params.height):
+            problems.append(
+                f"the image is {size[0]}x{size[1]} but its record says {self.params.width}x{self.params.height}"
+            )
+        return problems
+
 
 def _sha256(data: bytes) -> str:
     import hashlib
 
     return hashlib.sha256(data).hexdigest()
-
-
-def png_info(record: ImageRecord | None):
-    """PIL's PngInfo holding the record's chunks (uncompressed, in CHUNKS order: the same record, the same bytes)."""
-    from PIL.PngImagePlugin import PngInfo
-
-    info = PngInfo()
-    if record is not None:
-        for keyword, text in record.chunks().items():
-            if keyword == SOFTWARE_CHUNK:
-                info.add_text(keyword, text)
-            else:
-                info.add_itxt(keyword, text)
-    return info
 
 
 def read_chunks(file: bytes) -> tuple[dict[str, str], tuple[int, int]]:
@@ -231,29 +245,12 @@ def read_record(png: bytes) -> ImageRecord:
         raise ProvenanceError(
             f"the {RECORD_CHUNK!r} chunk is not a valid record (altered?): {err.errors()[0]['msg']}"
         ) from None
-    problems = check(record, chunks, (width, height))
+    problems = record.problems(chunks, (width, height))
     if problems:
         raise ProvenanceError(
             "the file's provenance is inconsistent (altered, or from another version?): " + "; ".join(problems)
         )
     return record
-
-
-def check(record: ImageRecord, chunks: dict[str, str], size: tuple[int, int]) -> list[str]:
-    """What in a file disagrees with its record: the derived chunks, the image's size, the record's own form (each
-    as this version writes it: a file of another version, or edited by hand, shows here)."""
-    problems = [
-        f"the {keyword!r} chunk differs from what the record implies"
-        for keyword, text in record.chunks().items()
-        if keyword != RECORD_CHUNK and chunks.get(keyword) != text
-    ]
-    if record.canonical() != chunks.get(RECORD_CHUNK):
-        problems.append(f"the {RECORD_CHUNK!r} chunk is not written as omniserve {project_version()} writes it")
-    if size != (record.params.width, record.params.height):
-        problems.append(
-            f"the image is {size[0]}x{size[1]} but its record says {record.params.width}x{record.params.height}"
-        )
-    return problems
 
 
 def differences(expected: Any, found: Any, path: str = "") -> list[str]:

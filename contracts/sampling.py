@@ -368,6 +368,18 @@ class DiffusionSamplingParams(Contract):
             )
         return self
 
+    def batch_parts(self) -> tuple[tuple[str, Any], ...]:
+        """What decides whether two requests may share a whole-request batch: each field marked `batch`, by value
+        (lists as tuples) or by presence (`has_<name>`). Equal parts: the same shapes and schedule."""
+        parts = []
+        for name, info in image_fields(type(self)).items():
+            how, value = next(m for m in info.metadata if isinstance(m, Served)).batch, getattr(self, name)
+            if how == "value":
+                parts.append((name, tuple(value) if isinstance(value, list) else value))
+            elif how == "presence":
+                parts.append((f"has_{name}", value is not None))
+        return tuple(parts)
+
 
 def image_fields(model: type[BaseModel] = DiffusionSamplingParams, **where: Any) -> dict[str, FieldInfo]:
     """`model`'s fields whose `Served` marker has every given value, e.g. `image_fields(rendered=True)`."""
@@ -389,19 +401,6 @@ def required_model(name: str, fields: Mapping[str, FieldInfo], *, base: type[Bas
     """A model of `fields` with their types and bounds, each required and never None (what was really used)."""
     definitions: dict[str, Any] = {field: (_not_none(info.annotation), ...) for field, info in fields.items()}
     return create_model(name, __base__=base, __doc__=doc, **definitions)
-
-
-def batch_parts(params: DiffusionSamplingParams) -> tuple[tuple[str, Any], ...]:
-    """What of `params` decides whether two requests may share a whole-request batch: each field marked `batch`, by
-    value (lists as tuples) or by presence (`has_<name>`). Equal parts: the same shapes and schedule."""
-    parts = []
-    for name, info in image_fields(type(params)).items():
-        how, value = next(m for m in info.metadata if isinstance(m, Served)).batch, getattr(params, name)
-        if how == "value":
-            parts.append((name, tuple(value) if isinstance(value, list) else value))
-        elif how == "presence":
-            parts.append((f"has_{name}", value is not None))
-    return tuple(parts)
 
 
 def _not_none(annotation: Any) -> Any:

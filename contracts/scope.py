@@ -53,6 +53,66 @@ class Configuration(_Data):
     torch_threads: int
     engine: dict[str, Any]  # LLM: engine arguments that change the arithmetic; diffusion: the batching mode
 
+    def compare_golden(self, digests: Mapping[str, str], columns: Sequence[GoldenColumn]) -> SelfCheck:
+        """`digests` (what this machine computed) against this configuration's golden column."""
+        path = ",".join(self.hardware)
+        column = next((c for c in columns if c.configuration == self), None)
+        if column is None:
+            return SelfCheck(path=path)
+        differing = sorted(case for case, digest in column.digests.items() if digests.get(case) != digest)
+        return SelfCheck(path=path, total=len(column.digests), differing=differing)
+
+    def match(
+        self,
+        records: Sequence[ScopeRecord],
+        *,
+        batch_size: int,
+        size: str | None = None,
+        self_check: SelfCheck | None = None,
+        self_audit: SelfAudit | None = None,
+    ) -> Verdict:
+        """Verified when a record covers this configuration at batch sizes 1..`batch_size` (and `size`) and this replica's
+        self-check, where it ran, reproduced its golden column; else the nearest record's differences (the fewest).
+
+        On CPU a configuration names the kernel path, not the CPU's flags (stages/scope.py), so a record made on another
+        machine of the same path covers this one: the record proves the configuration invariant, the self-check that
+        this machine computes that path's bits. A self-check that differs leaves the replica unverified whatever covers it,
+        and so does a self-audit whose kernels-on runs differed (this replica, here, gave batch-dependent bits). Among
+        covering records a self-audit's (this configuration, proven where it runs) is preferred."""
+        candidates = [
+            (r.uncovered(self, batch_size=batch_size, size=size), r)
+            for r in records
+            if r.configuration.stage == self.stage
+        ]
+        if self_audit is not None and self_audit.differing:  # measured here: nothing written elsewhere outweighs it
+            found = min((f for f, _ in candidates), key=len, default=[])
+            return Verdict(verified=False, differences=[*found, self_audit.reason])
+        if not candidates:
+            return Verdict(verified=False, differences=[f"no audit record for the {self.stage} stage"])
+        # The fewest differences; on a tie, a record of the same weights (its reasons are the ones to read), then a
+        # self-audit's.
+        found, nearest = min(
+            candidates,
+            key=lambda pair: (
+                len(pair[0]),
+                pair[1].configuration.weights != self.weights,
+                not pair[1].by_self_audit,
+            ),
+        )
+        if self_check is not None and self_check.total and self_check.differing:  # this machine computes other bits
+            return Verdict(verified=False, differences=[*found, self_check.reason])
+        if found:
+            return Verdict(verified=False, differences=found)
+        if nearest.by_self_audit:
+            by = f"self-audit record {nearest.name} ({nearest.audited.get('summary', '')})"
+            return Verdict(verified=True, record=nearest.name, by=by)
+        by = f"audit record {nearest.name}"
+        return Verdict(
+            verified=True,
+            record=nearest.name,
+            by=f"{self_check.reason}; {by}" if self_check and self_check.verified else by,
+        )
+
 
 class Coverage(_Data):
     """What the audit varied around its target."""
@@ -103,6 +163,36 @@ class ScopeRecord(_Data):
         sizes += "-self-audit" if self.by_self_audit else ""
         return f"{c.stage}-{slug}-{c.dtype}-{c.device}-t{c.torch_threads}{sizes}-{hashlib.sha256(blob).hexdigest()[:10]}.json"
 
+    def uncovered(self, mine: Configuration, *, batch_size: int, size: str | None) -> list[str]:
+        """What in `mine` (and the batch bound, the size) this record does not cover; empty: it covers them."""
+        theirs, found = self.configuration, []
+        if mine.stage != theirs.stage:
+            return [f"stage {mine.stage} not audited"]
+        for field, label in _LABELS.items():
+            a, b = getattr(mine, field), getattr(theirs, field)
+            if a != b:
+                found.append(f"{label} {_short(a)} not audited (audited {_short(b)})")
+        for group, label in (("versions", ""), ("engine", "engine setting ")):
+            a, b = getattr(mine, group), getattr(theirs, group)
+            for key in sorted(a.keys() | b.keys()):
+                if a.get(key) != b.get(key):
+                    found.append(f"{label}{key} {a.get(key)} not audited (audited {b.get(key)})")
+        covered = set(self.coverage.batch_sizes)
+        if not set(range(1, batch_size + 1)) <= covered:
+            found.append(f"batch sizes up to {batch_size} not audited (audited {_short(sorted(covered))})")
+        if size is not None and size not in self.coverage.sizes:
+            found.append(f"size {size} not audited (audited {_short(self.coverage.sizes)})")
+        if not self.valid:
+            found.append(INVALID_RECORD)
+        return found
+
+    def write_into(self, directory: Path) -> Path:
+        """This record as a file of `directory` (refused when it verifies nothing)."""
+        if not self.valid:
+            raise ValueError("a record whose control did not vary, or whose kernels-on runs differed, verifies nothing")
+        directory.mkdir(parents=True, exist_ok=True)
+        return write_atomically(directory / self.name, self)
+
 
 class Verdict(_Data):
     verified: bool
@@ -130,6 +220,17 @@ class GoldenColumn(_Data):
     configuration: Configuration
     digests: dict[str, str]  # case name -> sha256 of its output
     made: dict[str, Any] = {}  # when, the command, the CPU's name: for readers, never matched
+
+    def write_into(self, path: Path = GOLDEN_TABLE) -> None:
+        """Add this column to the table at `path`, replacing the one of the same configuration."""
+        kept = [c for c in load_golden(path) if c.configuration != self.configuration]
+        columns = sorted(
+            [*kept, self], key=lambda c: json.dumps(c.configuration.model_dump(mode="json"), sort_keys=True)
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            json.dumps({"columns": [c.model_dump(mode="json") for c in columns]}, indent=1, sort_keys=True) + "\n"
+        )
 
 
 class SelfCheck(_Data):
@@ -191,32 +292,6 @@ def load_golden(path: Path = GOLDEN_TABLE) -> list[GoldenColumn]:
     return [GoldenColumn.model_validate(column) for column in json.loads(path.read_text())["columns"]]
 
 
-def golden_column(configuration: Configuration, columns: Sequence[GoldenColumn]) -> GoldenColumn | None:
-    return next((c for c in columns if c.configuration == configuration), None)
-
-
-def compare_golden(
-    configuration: Configuration, digests: Mapping[str, str], columns: Sequence[GoldenColumn]
-) -> SelfCheck:
-    """`digests` (what this machine computed) against the column of `configuration`."""
-    path = ",".join(configuration.hardware)
-    column = golden_column(configuration, columns)
-    if column is None:
-        return SelfCheck(path=path)
-    differing = sorted(case for case, digest in column.digests.items() if digests.get(case) != digest)
-    return SelfCheck(path=path, total=len(column.digests), differing=differing)
-
-
-def write_golden(column: GoldenColumn, path: Path = GOLDEN_TABLE) -> None:
-    """Add `column`, replacing the one of the same configuration."""
-    kept = [c for c in load_golden(path) if c.configuration != column.configuration]
-    columns = sorted([*kept, column], key=lambda c: json.dumps(c.configuration.model_dump(mode="json"), sort_keys=True))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps({"columns": [c.model_dump(mode="json") for c in columns]}, indent=1, sort_keys=True) + "\n"
-    )
-
-
 class OutsideVerifiedScopeError(RuntimeError):
     """Strict mode: a replica with invariance on refuses to start outside the verified scope."""
 
@@ -255,13 +330,6 @@ def load_records(directories: Iterable[Path] | None = None) -> list[ScopeRecord]
     return records
 
 
-def write_record(record: ScopeRecord, directory: Path) -> Path:
-    if not record.valid:
-        raise ValueError("a record whose control did not vary, or whose kernels-on runs differed, verifies nothing")
-    directory.mkdir(parents=True, exist_ok=True)
-    return write_atomically(directory / record.name, record)
-
-
 def write_atomically(path: Path, record: ScopeRecord) -> Path:
     """The record's JSON at `path`, whole or not at all: replicas auditing side by side never read half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,79 +357,3 @@ def _short(value: Any) -> str:
         return ",".join(map(str, value)) or "none"
     text = str(value)
     return text[:12] if len(text) == 64 else text  # a sha256: its prefix says enough
-
-
-def differences(mine: Configuration, record: ScopeRecord, *, batch_size: int, size: str | None) -> list[str]:
-    """What in `mine` (and the batch bound, the size) the record does not cover; empty: it covers them."""
-    theirs, found = record.configuration, []
-    if mine.stage != theirs.stage:
-        return [f"stage {mine.stage} not audited"]
-    for field, label in _LABELS.items():
-        a, b = getattr(mine, field), getattr(theirs, field)
-        if a != b:
-            found.append(f"{label} {_short(a)} not audited (audited {_short(b)})")
-    for group, label in (("versions", ""), ("engine", "engine setting ")):
-        a, b = getattr(mine, group), getattr(theirs, group)
-        for key in sorted(a.keys() | b.keys()):
-            if a.get(key) != b.get(key):
-                found.append(f"{label}{key} {a.get(key)} not audited (audited {b.get(key)})")
-    covered = set(record.coverage.batch_sizes)
-    if not set(range(1, batch_size + 1)) <= covered:
-        found.append(f"batch sizes up to {batch_size} not audited (audited {_short(sorted(covered))})")
-    if size is not None and size not in record.coverage.sizes:
-        found.append(f"size {size} not audited (audited {_short(record.coverage.sizes)})")
-    if not record.valid:
-        found.append(INVALID_RECORD)
-    return found
-
-
-def match(
-    configuration: Configuration,
-    records: Sequence[ScopeRecord],
-    *,
-    batch_size: int,
-    size: str | None = None,
-    self_check: SelfCheck | None = None,
-    self_audit: SelfAudit | None = None,
-) -> Verdict:
-    """Verified when a record covers `configuration` at batch sizes 1..`batch_size` (and `size`) and this replica's
-    self-check, where it ran, reproduced its golden column; else the nearest record's differences (the fewest).
-
-    On CPU a configuration names the kernel path, not the CPU's flags (stages/scope.py), so a record made on another
-    machine of the same path covers this one: the record proves the configuration invariant, the self-check that
-    this machine computes that path's bits. A self-check that differs leaves the replica unverified whatever covers it,
-    and so does a self-audit whose kernels-on runs differed (this replica, here, gave batch-dependent bits). Among
-    covering records a self-audit's (this configuration, proven where it runs) is preferred."""
-    candidates = [
-        (differences(configuration, r, batch_size=batch_size, size=size), r)
-        for r in records
-        if r.configuration.stage == configuration.stage
-    ]
-    if self_audit is not None and self_audit.differing:  # measured here: nothing written elsewhere outweighs it
-        found = min((f for f, _ in candidates), key=len, default=[])
-        return Verdict(verified=False, differences=[*found, self_audit.reason])
-    if not candidates:
-        return Verdict(verified=False, differences=[f"no audit record for the {configuration.stage} stage"])
-    # The fewest differences; on a tie, a record of the same weights (its reasons are the ones to read), then a
-    # self-audit's.
-    found, nearest = min(
-        candidates,
-        key=lambda pair: (
-            len(pair[0]),
-            pair[1].configuration.weights != configuration.weights,
-            not pair[1].by_self_audit,
-        ),
-    )
-    if self_check is not None and self_check.total and self_check.differing:  # this machine computes other bits
-        return Verdict(verified=False, differences=[*found, self_check.reason])
-    if found:
-        return Verdict(verified=False, differences=found)
-    if nearest.by_self_audit:
-        by = f"self-audit record {nearest.name} ({nearest.audited.get('summary', '')})"
-        return Verdict(verified=True, record=nearest.name, by=by)
-    by = f"audit record {nearest.name}"
-    return Verdict(
-        verified=True,
-        record=nearest.name,
-        by=f"{self_check.reason}; {by}" if self_check and self_check.verified else by,
-    )

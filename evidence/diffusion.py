@@ -154,7 +154,7 @@ def render_engine(
             steps = cast(int, params.num_inference_steps)  # resolved params: set
             fields["num_inference_steps"] = max(1, round(steps * variant.pop("steps")))
             fields.update(variant)
-            if renderer.accepts_true_cfg and "guidance_scale" in variant:
+            if renderer.capabilities.true_cfg and "guidance_scale" in variant:
                 # FLUX, Qwen-Image: the second guidance branch (on a negative prompt) in the same call.
                 fields.update(negative_prompt="blurry, dark", true_cfg_scale=variant["guidance_scale"])
             if renderer.family.packs_sizes and index % 2:  # FLUX, Qwen-Image: every other neighbour twice the side

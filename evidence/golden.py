@@ -16,7 +16,7 @@ from typing import Any
 
 from contracts.config import DiffusionStageConfig, LLMStageConfig
 from contracts.cpu import cpu_flags
-from contracts.scope import Configuration, GoldenColumn, compare_golden, load_golden, write_golden
+from contracts.scope import Configuration, GoldenColumn, load_golden
 from evidence.report import cpu_model, environment
 from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import StepEngine
@@ -83,10 +83,10 @@ def compare_or_record(
     for name, make in made:
         column = make()
         if record:
-            write_golden(column, table)
+            column.write_into(table)
             log(f"{name} on {','.join(column.configuration.hardware)}: {len(column.digests)} cases recorded")
             continue
-        check = compare_golden(column.configuration, column.digests, columns)
+        check = column.configuration.compare_golden(column.digests, columns)
         log(f"{name}: {check.reason}")
         failed += not check.verified
     return 1 if failed else 0

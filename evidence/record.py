@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from contracts.cpu import cpu_flags
-from contracts.scope import AuditResult, Configuration, Coverage, ScopeRecord, write_record
+from contracts.scope import AuditResult, Configuration, Coverage, ScopeRecord
 
 
 def scope_entry(model: str, configuration: Configuration, **coverage) -> dict:
@@ -117,5 +117,5 @@ def record_report(report: dict, directory: Path, log=print) -> bool:
             log(f"NOT RECORDED ({name}): {why}")
             recorded = False
         else:
-            log(f"recorded {name}: {write_record(record, directory)}")
+            log(f"recorded {name}: {record.write_into(directory)}")
     return recorded

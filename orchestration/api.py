@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -76,7 +76,6 @@ from .drain import Drain, DrainGate
 from .errors import HTTPError, client_error, http_error
 from .health import HealthResponse
 from .metrics import RequestMetrics
-from .pipeline import results
 from .playground import mount as mount_playground
 from .responses import http_caching, image_event, images_response
 
@@ -279,7 +278,7 @@ async def images_or_events(
     (`stream: true`) as server-sent events, from one admitted plan and its items (`Ingress.images`)."""
     plan, items = await ingress.images(request, fresh=no_cache(http))
     if not request.stream:
-        done = await results(plan, items)
+        done = await plan.results(items)
         links = None
         if request.response_format == "url":
             kept = await ingress.links.keep([r.delivered for r in done])
@@ -326,9 +325,12 @@ async def server_sent(events: AsyncGenerator[Any, None], timeout_s: float, *, ch
         yield "data: [DONE]\n\n"
 
 
-async def chat_events(ingress: Ingress, request: ChatCompletionRequest, timeout_s: float) -> StreamingResponse:
-    """A streamed chat completion (`stream: true`) as server-sent events, once admission has passed."""
-    chunks = await ingress.chat_stream(request)
+async def chat_answer(ingress: Ingress, request: ChatCompletionRequest, fresh: bool, timeout_s: float) -> Any:
+    """A chat completion whole, or (`stream: true`) as server-sent events once admission has passed."""
+    answer = await ingress.chat(request, fresh=fresh)
+    if not request.stream:
+        return answer
+    chunks = cast(AsyncGenerator[Any, None], answer)  # a streamed request's answer: its chunks
     return StreamingResponse(
         server_sent(chunks, timeout_s, chat=True), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
@@ -494,9 +496,7 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **CHAT_STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if body.stream:  # a stream is never from the result cache
-            return await respond(chat_events(ingress, body, timeout_s))
-        return await respond(ingress.chat(body, fresh=no_cache(request)))
+        return await respond(chat_answer(ingress, body, no_cache(request), timeout_s))
 
     @api.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models():

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 
 from contracts.errors import ModelNotFoundError
 from contracts.http import (
@@ -38,7 +38,6 @@ from contracts.http import (
     ModelList,
 )
 from contracts.invariance import STAGES, Stage
-from contracts.results import Completion
 from stages import replica_id
 
 from .api import build_api
@@ -47,9 +46,9 @@ from .drain import Drain
 from .health import HealthProbe, HealthResponse
 from .image_store import ImageLinks
 from .openapi import ServedDocument
-from .pipeline import ImagePipeline, ImagePlan, RewriteCache, admit_chat, admit_edit, admit_images
+from .pipeline import ChatPipeline, ImagePipeline, ImagePlan, RewriteCache, admit_chat, admit_edit, admit_images
 from .responses import chat_chunks, chat_response
-from .result_cache import ResultCache, chat_key, exact
+from .result_cache import ResultCache
 from .retries import Retrying
 from .video_jobs import VideoFront
 
@@ -86,7 +85,7 @@ class Ingress:
             RewriteCache(config.rewrite_cache_entries),
             ResultCache("image", config.ingress.result_cache_mib << 20),
         )
-        self.completions: ResultCache[Completion] = ResultCache("chat", config.ingress.result_cache_mib << 20)
+        self.chats = ChatPipeline(llm, self.retrying, ResultCache("chat", config.ingress.result_cache_mib << 20))
         described = {**cast(dict[str, DeploymentHandle], self.handles), **({"video": videos} if videos else {})}
         self.probe = HealthProbe(described, config)
         self._served_models: dict[str, str] = {}
@@ -115,46 +114,33 @@ class Ingress:
             else admit_images(request, self.config)
         )
 
-    async def chat(self, request: ChatCompletionRequest, *, fresh: bool = False) -> ChatCompletionResponse:
+    async def chat(
+        self, request: ChatCompletionRequest, *, fresh: bool = False
+    ) -> ChatCompletionResponse | AsyncGenerator[ChatCompletionChunk, None]:
+        """A chat completion, admitted first (a bad request raises here, before anything is sent), from the LLM
+        stage's one chat call (a stream of pieces, then the completion): streamed (`stream: true`) as chunks, sent
+        again after an infrastructure failure only while nothing has come (`Retrying.stream`), never from the result
+        cache (a stream shows a completion being made); else the completion whole, from the result cache when it
+        keeps it, sent again after a failure whatever had come (nothing of it had reached the client)."""
         if request.model is not None:
             await self.check_model("llm", request.model)
         params = admit_chat(request, self.config)
-        key = chat_key(request.messages, params)
-        kept, cache = self.completions.get(key, fresh=fresh), "hit"
-        if kept is None:
-            made: Completion = await self.retrying.call(
-                "a chat completion", lambda: self.handles["llm"].chat.remote(request.messages, params)
+        if request.stream:
+            return chat_chunks(
+                self.chats.items(request.messages, params),
+                model=await self.served_model("llm"),
+                seed=params.seed,
+                with_logprobs=bool(request.logprobs),
+                include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                batch_invariant=self.config.switches.llm,
             )
-            size = len(made.text.encode()) + 16 * len(made.token_ids)  # text, ids and logprobs
-            self.completions.put(key, made, made_by=made, size=size, exact=exact(made))
-            kept, cache = made, "miss"
+        completion, cache = await self.chats.completion(request.messages, params, fresh=fresh)
         return chat_response(
-            kept,
+            completion,
             seed=params.seed,
             with_logprobs=bool(request.logprobs),
             batch_invariant=self.config.switches.llm,
-            cache=cache if self.completions.max_bytes else None,
-        )
-
-    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
-        """A streamed chat completion's chunks (`stream: true`), admitted first (a bad request raises here, before
-        anything is sent). Never from the result cache: a stream shows a completion being made. The call is sent
-        again after an infrastructure failure only while nothing has come (`Retrying.stream`)."""
-        if request.model is not None:
-            await self.check_model("llm", request.model)
-        params = admit_chat(request, self.config)
-        handle = self.handles["llm"].options(stream=True)
-        items = self.retrying.stream(
-            "a chat completion",
-            lambda: cast(DeploymentResponseGenerator, handle.chat_stream.remote(request.messages, params)),
-        )
-        return chat_chunks(
-            items,
-            model=await self.served_model("llm"),
-            seed=params.seed,
-            with_logprobs=bool(request.logprobs),
-            include_usage=bool(request.stream_options and request.stream_options.include_usage),
-            batch_invariant=self.config.switches.llm,
+            cache=cache if self.chats.kept.max_bytes else None,
         )
 
     async def models(self) -> ModelList:
@@ -182,7 +168,7 @@ class Ingress:
             report.ingress["video_jobs"] = await self.videos.jobs.stats.remote()
         # This replica's caches (each ingress replica keeps its own).
         report.ingress["rewrite_cache"] = self.pipeline.rewrites.stats
-        report.ingress["result_cache"] = {"image": self.pipeline.kept.stats, "chat": self.completions.stats}
+        report.ingress["result_cache"] = {"image": self.pipeline.kept.stats, "chat": self.chats.kept.stats}
         return report
 
     async def openapi(self, generated: dict[str, Any]) -> dict[str, Any]:

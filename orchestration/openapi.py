@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
+from contracts.capabilities import ModelCapabilities
 from contracts.http import ChatCompletionChunk, ImageCompletedEvent, ImagePartialEvent
 from contracts.sampling import MAX_INFERENCE_STEPS
 from contracts.seeds import MAX_SEED, MIN_SEED
@@ -78,7 +79,7 @@ def served_schema(
         _narrow_images(schema, config, diffusion, llm, require_seed=name != "edit-form")
     loras = diffusion.get("details", {}).get("loras", [])
     _adapters(components, loras)
-    _step_cache(components, diffusion.get("details", {}).get("requests", {}))
+    _step_cache(components, ModelCapabilities.described(diffusion))
     chat = components.get("ChatCompletionRequest")
     if chat is not None:
         _narrow_chat(chat, config, llm)
@@ -110,13 +111,13 @@ def _adapters(components: dict[str, Any], loras: list[str]) -> None:
         choice["properties"].pop("sha256", None)
 
 
-def _step_cache(components: dict[str, Any], rules: dict[str, Any]) -> None:
+def _step_cache(components: dict[str, Any], capabilities: ModelCapabilities) -> None:
     """A TeaCache request's threshold: left out, the one measured for the model's family (`cache_threshold`, as the
     stage reports it); required where the family has none."""
     schema = components.get("StepCache")
     if schema is None:
         return
-    measured = rules.get("cache_threshold")
+    measured = capabilities.cache_threshold
     if measured is None:
         required = {"required": ["threshold"], "properties": {"threshold": {"type": "number"}}}
         schema.setdefault("allOf", []).append(
@@ -145,29 +146,29 @@ def _narrow_images(
     schema: dict[str, Any], config: AppConfig, diffusion: dict[str, Any], llm: dict[str, Any], require_seed: bool
 ) -> None:
     properties = schema["properties"]
-    limits, rules = config.diffusion, diffusion.get("details", {}).get("requests", {})
+    limits, capabilities = config.diffusion, ModelCapabilities.described(diffusion)
     if config.switches.diffusion:
         for name in SEED_CONTRACT_FIELDS:
             properties.pop(name, None)
         if require_seed:
             _require(schema, "seed")
     steps = _nullable(properties, "num_inference_steps")
-    steps.update(minimum=rules.get("min_steps", 1), maximum=min(limits.max_inference_steps, MAX_INFERENCE_STEPS))
+    steps.update(minimum=capabilities.min_steps, maximum=min(limits.max_inference_steps, MAX_INFERENCE_STEPS))
     size = _nullable(properties, "size")
     size.update(
-        {"format": "image-size", "x-max-pixels": limits.max_pixels, "x-size-multiple": rules.get("size_multiple", 8)}
+        {"format": "image-size", "x-max-pixels": limits.max_pixels, "x-size-multiple": capabilities.size_multiple}
     )
     image = properties.get("image")
     if image is not None:  # an edit renders at its image's size: the same multiple and pixel limit as `size`
         image["x-image-size"].update(multipleOf=size["x-size-multiple"], **{"x-max-pixels": limits.max_pixels})
     _only(properties, "model", _model_ids(config, "diffusion", diffusion))
-    if not rules.get("true_cfg", False):
+    if not capabilities.true_cfg:
         properties.pop("true_cfg_scale", None)
-    if not rules.get("per_sample", False) or not diffusion.get("details", {}).get("loras"):
+    if not capabilities.per_sample or not diffusion.get("details", {}).get("loras"):
         properties.pop("lora", None)
-    if not rules.get("per_sample", False):
+    if not capabilities.per_sample:
         properties.pop("cache", None)
-    schedulers = rules.get("schedulers", [])
+    schedulers = capabilities.served_schedulers()
     _only(properties, "scheduler", schedulers) if schedulers else properties.pop("scheduler", None)
     _rewritten_prompt_fits(schema, llm)
 
@@ -178,7 +179,7 @@ def _narrow_videos(document: dict[str, Any], config: AppConfig, described: dict[
     multiple, the fewest steps, the frame counts its VAE makes, Wan's 4k + 1), `seconds` only where they make such a
     count within the limit, and, given both, `num_frames` what `seconds` make (`VideoCreateRequest.frames`)."""
     body = document["paths"].get("/v1/videos", {}).get("post", {}).get("requestBody", {})
-    video, rules = config.video, described.get("details", {}).get("requests", {})
+    video, capabilities = config.video, ModelCapabilities.described(described)
     content = document["paths"].get("/v1/videos/{video_id}/content", {}).get("get", {})
     for parameter in content.get("parameters", []):
         if parameter["name"] == "variant":  # a video's content is its MP4: no thumbnail, no spritesheet
@@ -191,12 +192,12 @@ def _narrow_videos(document: dict[str, Any], config: AppConfig, described: dict[
             _require(schema, "seed")
         _only(properties, "model", [cast(str, video.model), "video"])
         steps = _nullable(properties, "num_inference_steps")
-        steps.update(minimum=rules.get("min_steps", 1), maximum=video.max_inference_steps)
+        steps.update(minimum=capabilities.min_steps, maximum=video.max_inference_steps)
         size = _nullable(properties, "size")
         size.update(
-            {"format": "image-size", "x-max-pixels": video.max_pixels, "x-size-multiple": rules.get("size_multiple", 8)}
+            {"format": "image-size", "x-max-pixels": video.max_pixels, "x-size-multiple": capabilities.size_multiple}
         )
-        step = rules.get("frame_step") or 1
+        step = capabilities.frame_step or 1
         counts = [frames for frames in range(1, video.max_frames + 1) if (frames - 1) % step == 0]
         _nullable(properties, "num_frames").update(enum=counts)
         _whole_seconds(schema, [s for s in range(1, MAX_SECONDS + 1) if s * video.fps + 1 in counts], video.fps)

@@ -7,7 +7,7 @@
                                                    point, its PartialImage previews (as many as the plan asks for:
                                                    none unless streamed) as they come, then its ImageResult; the
                                                    same for generations, edits and streams
-    results(plan, items) -> [ImageResult]          the images alone, in order (a response written whole)
+    ImagePlan.results(items) -> [ImageResult]      the images alone, in order (a response written whole)
     RewriteCache                                   rewrites already made, by (prompt, seeded params): bounded LRU
     (orchestration.result_cache.ResultCache)       images already rendered, exact ones only: bounded LRU by bytes
 
@@ -34,14 +34,14 @@ from contracts.admission import admit_diffusion_params, admit_llm_params
 from contracts.encoding import ImageFile, ImageOutput, deliver
 from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerationRequest, requested_size
 from contracts.images import admit_image, edit_size
-from contracts.jobs import RenderJob
+from contracts.jobs import RenderJob, final
 from contracts.provenance import ImageOrigin
-from contracts.results import PartialImage, RenderedImage, RenderMoved, RevisedPrompt
+from contracts.results import Completion, CompletionDelta, PartialImage, RenderedImage, RenderMoved, RevisedPrompt
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
 from contracts.seeds import seed_or_picked, seeds_for_request
 
 from .config import AppConfig
-from .result_cache import ResultCache, image_key
+from .result_cache import ResultCache, chat_key, image_key
 from .result_cache import exact as is_exact
 from .retries import Retrying
 
@@ -66,6 +66,14 @@ class ImagePlan:
         llm = self.llm_params if self.enhance else [None] * len(self.diffusion_params)
         return list(zip(llm, self.diffusion_params, strict=True))
 
+    async def results(self, items: AsyncIterator[tuple[int, PartialImage | ImageResult]]) -> list[ImageResult]:
+        """This plan's images alone, in order: what a response written whole needs from `ImagePipeline.items`."""
+        done: dict[int, ImageResult] = {}
+        async for index, item in items:
+            if isinstance(item, ImageResult):
+                done[index] = item
+        return [done[index] for index in range(len(self.diffusion_params))]
+
 
 @dataclass(frozen=True)
 class ImageResult:
@@ -78,6 +86,13 @@ class ImageResult:
     @property
     def delivered(self) -> ImageFile:
         return self.file or ImageFile("png", self.image.png, self.image.sha256)
+
+    async def as_asked(self, output: ImageOutput) -> ImageResult:
+        """This result with its file as `output` asks (transcoding off the event loop); the kept result stays the
+        PNG, so one render serves every format."""
+        if output.format == "png":
+            return self
+        return replace(self, file=await asyncio.to_thread(deliver, self.image.png, output))
 
 
 def admit_images(request: ImageGenerationRequest, config: AppConfig) -> ImagePlan:
@@ -211,7 +226,7 @@ class ImagePipeline:
         by the result cache from an earlier request, its ImageResult at once."""
         key = image_key(plan.prompt, llm_params, params, plan.image)
         if kept := self.kept.get(key, fresh=plan.fresh):
-            yield await delivered(replace(kept, cache="hit"), plan.output)
+            yield await replace(kept, cache="hit").as_asked(plan.output)
             return
         cache = "miss" if self.kept.max_bytes else None
         rewrite, origin = await self.origin(plan.prompt, llm_params)
@@ -239,7 +254,7 @@ class ImagePipeline:
                 result = ImageResult(revised_prompt=prompt, image=item, rewrite=rewrite, cache=cache)
                 exact = is_exact(item) and is_exact(rewrite)
                 self.kept.put(key, result, made_by=item, size=len(item.png), exact=exact)
-                yield await delivered(result, plan.output)
+                yield await result.as_asked(plan.output)
 
     async def items(self, plan: ImagePlan) -> AsyncIterator[tuple[int, PartialImage | ImageResult]]:
         """(image index, preview or result) as they come, the n images rendered concurrently; the first failure
@@ -260,23 +275,6 @@ class ImagePipeline:
             work.cancel()
 
 
-async def results(plan: ImagePlan, items: AsyncIterator[tuple[int, PartialImage | ImageResult]]) -> list[ImageResult]:
-    """The plan's images alone, in order: what a response written whole needs from `ImagePipeline.items`."""
-    done: dict[int, ImageResult] = {}
-    async for index, item in items:
-        if isinstance(item, ImageResult):
-            done[index] = item
-    return [done[index] for index in range(len(plan.diffusion_params))]
-
-
-async def delivered(result: ImageResult, output: ImageOutput) -> ImageResult:
-    """The result with its file as `output` asks (transcoding off the event loop); the kept result stays the PNG, so
-    one render serves every format."""
-    if output.format == "png":
-        return result
-    return replace(result, file=await asyncio.to_thread(deliver, result.image.png, output))
-
-
 async def gather_or_cancel(coroutines: list) -> list[Any]:
     """Run concurrently; on the first failure cancel the rest and raise that failure itself."""
     tasks = [asyncio.ensure_future(c) for c in coroutines]
@@ -286,3 +284,36 @@ async def gather_or_cancel(coroutines: list) -> list[Any]:
         for task in tasks:
             if not task.done():
                 task.cancel()
+
+
+class ChatPipeline:
+    """A chat completion from the LLM stage's one chat call (a stream of pieces, then the completion), streamed or
+    whole, and the ingress's result cache of whole ones."""
+
+    def __init__(self, llm: DeploymentHandle, retrying: Retrying, completions: ResultCache[Completion] | None = None):
+        self.llm = llm.options(stream=True)
+        self.retrying = retrying
+        self.kept = completions or ResultCache("chat", 0)
+
+    def items(
+        self, messages: Any, params: LLMSamplingParams, *, restart: bool = False
+    ) -> AsyncIterator[CompletionDelta | Completion]:
+        """The stage's items, sent again after an infrastructure failure while none has come (`restart`: whatever has
+        come, for a caller that keeps only the completion)."""
+        return self.retrying.stream(
+            "a chat completion",
+            lambda: cast(DeploymentResponseGenerator, self.llm.chat.remote(messages, params)),
+            restart=restart,
+            last=lambda item: isinstance(item, Completion),
+        )
+
+    async def completion(self, messages: Any, params: LLMSamplingParams, *, fresh: bool) -> tuple[Completion, str]:
+        """The whole completion and where it came from: "hit" (kept; `fresh`: never) or "miss" (made, then kept)."""
+        key = chat_key(messages, params)
+        kept = self.kept.get(key, fresh=fresh)
+        if kept is not None:
+            return kept, "hit"
+        made = await final(self.items(messages, params, restart=True), Completion)
+        size = len(made.text.encode()) + 16 * len(made.token_ids)  # text, ids and logprobs
+        self.kept.put(key, made, made_by=made, size=size, exact=is_exact(made))
+        return made, "miss"

@@ -26,7 +26,6 @@ from contracts.scope import (
     SelfCheck,
     Verdict,
     load_records,
-    match,
     resolve_strict,
 )
 
@@ -184,8 +183,7 @@ class ReplicaScope:
             raise OutsideVerifiedScopeError(configuration.stage, self.verdict.differences)
 
     def _match(self, size: str | None) -> Verdict:
-        return match(
-            self.configuration,
+        return self.configuration.match(
             self.records,
             batch_size=self.batch_size,
             size=size,

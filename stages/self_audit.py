@@ -23,7 +23,6 @@ from contracts.scope import (
     Coverage,
     ScopeRecord,
     SelfAudit,
-    differences,
     load_records,
     write_atomically,
 )
@@ -41,7 +40,7 @@ def reusable(
     """An earlier start's self-audit record (or inconclusive finding) that covers this configuration with at least
     these orderings. A finding of differences is never kept: a replica that differed audits again at its next start."""
     for record in load_records([contracts.scope.user_records(), inconclusive()]):
-        gaps = differences(configuration, record, batch_size=batch_size, size=size)
+        gaps = record.uncovered(configuration, batch_size=batch_size, size=size)
         if record.by_self_audit and set(orderings) <= set(record.coverage.orderings):
             if not [gap for gap in gaps if gap != INVALID_RECORD or record.result.differing_with_kernels_on]:
                 return record
@@ -98,7 +97,7 @@ def keep(record: ScopeRecord) -> str | None:
     """A proof into the user's record cache (its name returned); a finding that proves nothing into the inconclusive
     folder; a finding of differences nowhere."""
     if record.valid:
-        contracts.scope.write_record(record, contracts.scope.user_records())
+        record.write_into(contracts.scope.user_records())
         return record.name
     if not record.result.differing_with_kernels_on:
         write_atomically(inconclusive() / record.name, record)

@@ -43,7 +43,7 @@ def record_gap(stage: str) -> str | None:
 def golden_gap() -> str | None:
     """Why this machine does not compute the default diffusion model's audited bits (None: it reproduces its path's
     golden column, as a replica's self-check must). Rendered once per process (a few seconds)."""
-    from contracts.scope import compare_golden, load_golden
+    from contracts.scope import load_golden
     from evidence.golden import diffusion_column
     from stages.kernels import current_report, disable_batch_invariant_kernels
 
@@ -53,7 +53,7 @@ def golden_gap() -> str | None:
     finally:
         if not installed:  # the kernels are process-wide: leave the process as it was
             disable_batch_invariant_kernels()
-    check = compare_golden(column.configuration, column.digests, load_golden())
+    check = column.configuration.compare_golden(column.digests, load_golden())
     if check.verified:
         return None
     return (f"measured: this CPU ({column.made.get('cpu')}) does not compute the audited bits of the default diffusion "

@@ -189,6 +189,51 @@ def test_a_served_module_importing_a_driver_is_found():
     assert drivers_imported_by_served({"stages.scope": tree}) == ["stages.scope imports evidence.report"]
 
 
+# --- methods where they belong: a module function whose first parameter is an instance of a class of its own file is
+# that class's method pushed out (to dodge a line bound, or by habit); in the served packages there is none.
+
+
+def _instance_of(annotation: ast.expr | None) -> str | None:
+    """The class an annotation says an argument is an instance of: `X`, `"X"`, `X | None` (not a list of X, nor a
+    union with another type)."""
+    if isinstance(annotation, ast.Name):
+        return annotation.id
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return _instance_of(ast.parse(annotation.value, mode="eval").body)
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        sides = [annotation.left, annotation.right]
+        if any(isinstance(side, ast.Constant) and side.value is None for side in sides):
+            return next(_instance_of(side) for side in sides if not isinstance(side, ast.Constant))
+    return None
+
+
+def methods_outside(tree: ast.Module, path: str) -> list[str]:
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    return [
+        f"{path}:{node.lineno} {node.name}({node.args.args[0].arg}: {_instance_of(node.args.args[0].annotation)})"
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.args.args
+        and _instance_of(node.args.args[0].annotation) in classes
+    ]
+
+
+def test_no_served_module_function_takes_an_instance_of_its_own_files_class_first():
+    served = [path for path in SOURCES if relative(path).split("/")[0] in SERVED]
+    assert [found for path in served for found in methods_outside(ast.parse(path.read_text()), relative(path))] == []
+
+
+def test_a_method_pushed_out_of_its_class_is_found():
+    tree = ast.parse(
+        "class Plan:\n    pass\n"
+        "def results(plan: Plan): ...\n"
+        "def maybe(plan: 'Plan | None'): ...\n"
+        "def many(plans: list[Plan]): ...\n"
+        "def either(plan: Plan | str): ...\n"
+    )
+    assert methods_outside(tree, "m.py") == ["m.py:3 results(plan: Plan)", "m.py:4 maybe(plan: Plan)"]
+
+
 def units(path: Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -275,3 +320,10 @@ def test_ray_serves_private_state_is_read_in_one_adapter_only():
 def test_vllms_private_names_are_read_in_one_adapter_only():
     found = {relative(path) for path in SOURCES if re.search(r"_batch_invariant_(LIB|MODE)\b", path.read_text())}
     assert found == {"stages/kernels/vllm_mode.py"}
+
+
+def test_diffusers_private_names_are_read_in_one_adapter_only():
+    private = (r"\._(get_add_time_ids|unpack_latents|pack_latents|prepare_latent_image_ids|encode_vae_image"
+               r"|keep_in_fp32_modules)\b|_get_qkv_projections|_internal_dict|vars\([^)]*scheduler")
+    found = {relative(path) for path in SOURCES if re.search(private, path.read_text())}
+    assert found == {"stages/diffusers_private.py"}

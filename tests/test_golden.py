@@ -12,7 +12,7 @@ ATen, oneDNN and MKL held to the path.
 
 import pytest
 
-from contracts.scope import compare_golden, cpu_golden_table, load_golden
+from contracts.scope import cpu_golden_table, load_golden
 from evidence.golden import diffusion_column
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def _assert_reproduces_its_column(column, name: str, record: str) -> None:
     """This machine's `column` against the shipped table: skipped where the table has none for its path."""
-    check = compare_golden(column.configuration, column.digests, load_golden())
+    check = column.configuration.compare_golden(column.digests, load_golden())
     path = ",".join(column.configuration.hardware)
     if not check.total:
         pytest.skip(f"measured: no golden column for {name} on {path} with these kernels and weights; "
@@ -30,7 +30,7 @@ def _assert_reproduces_its_column(column, name: str, record: str) -> None:
     if not check.verified and shipped.made.get("cpu") != cpu:
         # Made on another CPU model: this model's own column, where one was recorded, is what must hold here.
         table = cpu_golden_table(cpu)
-        own = compare_golden(column.configuration, column.digests, load_golden(table))
+        own = column.configuration.compare_golden(column.digests, load_golden(table))
         if not own.total:
             pytest.skip(f"measured: {name} on {path} on this CPU ({cpu}) differs from the column made on "
                         f"{shipped.made.get('cpu', 'a CPU the table does not name')}: {check.reason}; the same kernel "
@@ -53,7 +53,7 @@ def test_golden_a_differing_output_is_named_with_its_path():
     assert columns, "the shipped golden table is missing or empty"
     column = columns[0]
     digests = {**column.digests, "edit": "0" * 64}
-    check = compare_golden(column.configuration, digests, columns)
+    check = column.configuration.compare_golden(digests, columns)
     assert not check.verified and check.differing == ["edit"]
     assert ",".join(column.configuration.hardware) in check.reason and "edit" in check.reason
 

@@ -63,10 +63,9 @@ from stages.embedded.llm import (
     REWRITER_PATH,
     ROLE_TOKENS,
     TINY,
-    llama_config,
     weights_fingerprint,
 )
-from stages.embedded.shapes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, caption, with_article
+from stages.embedded.shapes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, with_article
 
 #: Where the committed, trained model lives.
 RECORD = "training.json"
@@ -318,7 +317,7 @@ def free_prompt(rng: random.Random) -> str:
     variously; one in eight is already a caption of the image model's own (`shapes.caption`)."""
     if rng.random() < 0.125:
         fill, background = rng.sample(list(COLOURS), 2)
-        return caption(Scene(rng.choice(SHAPES), fill, background, rng.choice(SIZES), rng.choice(POSITIONS)), rng)
+        return Scene(rng.choice(SHAPES), fill, background, rng.choice(SIZES), rng.choice(POSITIONS)).caption(rng)
     filler = rng.choice(_FILLERS) if rng.random() < 0.12 else None
     size = rng.choice(list(SIZE_WORDS)) if rng.random() < 0.4 else None
     colour = rng.choice(list(COLOURS)) if rng.random() < 0.7 else None
@@ -550,7 +549,7 @@ def llama(tokenizer, seed: int):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(TINY, tokenizer))
+    return LlamaForCausalLM(TINY.llama_config(tokenizer))
 
 
 # --- training ------------------------------------------------------------------------------------

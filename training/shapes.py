@@ -30,7 +30,7 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from stages.embedded.shapes import Scene, background_as_said, caption, drawn_as_said, training_scenes, word_tokenizer
+from stages.embedded.shapes import Scene, background_as_said, drawn_as_said, training_scenes, word_tokenizer
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -222,7 +222,7 @@ def _train_denoiser(unet, text_encoder, tokenizer, scenes, latents: torch.Tensor
 def caption_ids(tokenizer, scenes: list[Scene], captions: random.Random) -> torch.Tensor:
     """A training batch's captions as token ids: one caption of each scene drawn from `captions`, one in
     UNCONDITIONAL_EVERY the empty prompt (the unconditional branch classifier-free guidance needs)."""
-    texts = ["" if captions.randrange(UNCONDITIONAL_EVERY) == 0 else caption(scene, captions) for scene in scenes]
+    texts = ["" if captions.randrange(UNCONDITIONAL_EVERY) == 0 else scene.caption(captions) for scene in scenes]
     return tokenizer(
         texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
     ).input_ids
@@ -252,7 +252,7 @@ def hit_rate(pipe, scenes, seeds: list[int], rng: random.Random | None = None, b
     """The share of (scene, seed) drawings in the scene's colours (`drawn_as_said`), or with its background only."""
     rng = rng or random.Random(0)
     pairs = [(scene, seed) for scene in scenes for seed in seeds]
-    images = draw(pipe, [caption(scene, rng) for scene, _ in pairs], [seed for _, seed in pairs])
+    images = draw(pipe, [scene.caption(rng) for scene, _ in pairs], [seed for _, seed in pairs])
     said = [
         background_as_said(image, scene.background) if background_only else drawn_as_said(image, scene)
         for image, (scene, _) in zip(images, pairs, strict=False)

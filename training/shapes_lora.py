@@ -28,7 +28,7 @@ from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 
 from stages.diffusion.lora import RowLora, load_adapter
 from stages.embedded.diffusion import load_tiny_pipeline
-from stages.embedded.shapes import _TRIPLES, HELD_OUT, Scene, caption, drawn_twice
+from stages.embedded.shapes import _TRIPLES, HELD_OUT, Scene, drawn_twice
 from training.shapes import SCHEDULE, _target, _update, caption_ids, draw
 
 #: The module paths' endings the adapter adapts: every attention and feed-forward projection of the UNet.
@@ -168,7 +168,7 @@ def pair_rate(weights: Path, scale: float, seeds: range = range(10)) -> float:
     lora.attach(adapter)
     rng = random.Random(0)
     pairs = [(scene, seed) for scene in held_out_pairs() for seed in seeds]
-    prompts = [caption(scene, rng) for scene, _ in pairs]
+    prompts = [scene.caption(rng) for scene, _ in pairs]
     with lora.rows([((adapter, scale),)] * 2 * len(pairs)):  # classifier-free guidance: two rows per prompt
         images = draw(pipe, prompts, [seed for _, seed in pairs])
     return round(

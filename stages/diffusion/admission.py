@@ -1,8 +1,8 @@
 """What a replica admits: a RenderJob into the Job it renders, or a typed error naming the field.
 
-Every field is admitted again, as the ingress admits a body (a job can be built without validation, and nothing
-that crosses an actor boundary is trusted): prompt and params with `contracts.admission`'s functions, the rest by
-the RenderJob model itself, then what this model and this replica can render (`DiffusionRenderer.resolve`). A
+Every field is admitted once in this process, as the ingress admits a body (a job can be built without validation,
+and nothing that crosses an actor boundary is trusted): prompt and params with `contracts.admission`'s functions, the
+rest by the RenderJob model itself, then what this model and this replica can render (`DiffusionRenderer.resolve`). A
 checkpoint to resume from is taken only where this replica's identity made it (`engine.checkpoint.made_by`).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import cast
 
 from pydantic import ValidationError
 
@@ -51,8 +51,8 @@ class Admission:
         except ValidationError as err:
             raise invalid_request(err) from None
         if job.image is not None:
-            admitted = self.edit(job.prompt, job.image, job.params)
-            assert self.renderer.family is not None  # `edit` refuses an edit without the step engine
+            admitted = self._edit(job.prompt, job.image, job.params)
+            assert self.renderer.family is not None  # `_edit` refuses an edit without the step engine
             # Resolved params: steps and strength are set.
             steps = edit_steps(
                 self.renderer.family,
@@ -60,7 +60,7 @@ class Admission:
                 cast(float, admitted.params.strength),
             )
         else:
-            admitted = self.generation(job.prompt, job.params)
+            admitted = self._generation(job.prompt, job.params)
             steps = cast(int, admitted.params.num_inference_steps)
         return replace(
             admitted,
@@ -82,27 +82,24 @@ class Admission:
             return None
         return checkpoint.state
 
-    def generation(self, prompt: Any, params: Any) -> Job:
-        """A text-to-image request; nothing is dropped or replaced (a strength is refused, never ignored)."""
-        prompt = admit_prompt(prompt)
-        params = admit_diffusion_params(params, batch_invariant=self.batch_invariant)
+    def _generation(self, prompt: str, params: DiffusionSamplingParams) -> Job:
+        """A text-to-image request (admitted by `job`); nothing is dropped or replaced (a strength is refused, never
+        ignored)."""
         if params.strength is not None:
             raise InvalidRequestError(
                 "strength applies to edits (an input image) only", param="strength", code="unsupported_value"
             )
         return Job(prompt, self.renderer.resolve(params, step_engine=self.step_engine))
 
-    def edit(self, prompt: Any, image: Any, params: Any) -> Job:
-        """An edit with its init image (`contracts.images`), rendered at the image's own size: a requested size must
-        be the image's; none requested, the image's."""
+    def _edit(self, prompt: str, image: bytes, params: DiffusionSamplingParams) -> Job:
+        """An edit (admitted by `job`) with its init image (`contracts.images`), rendered at the image's own size: a
+        requested size must be the image's; none requested, the image's."""
         if not self.step_engine:
             raise InvalidRequestError(
                 f"image edits are not served for {self.renderer.model}: the step engine does not know its pipeline",
                 param="image",
                 code="unsupported_value",
             )
-        prompt = admit_prompt(prompt)
-        params = admit_diffusion_params(params, batch_invariant=self.batch_invariant)
         picture = admit_image(image)
         width, height = edit_size(picture, params.width, params.height)
         if params.latents is not None:
@@ -114,7 +111,7 @@ class Admission:
 
     def _edit_params(self, params: DiffusionSamplingParams) -> DiffusionSamplingParams:
         resolved = self.renderer.resolve(params.model_copy(update={"strength": strength_of(params)}), step_engine=True)
-        assert self.renderer.family is not None  # called by `edit`, after its step-engine check
+        assert self.renderer.family is not None  # called by `_edit`, after its step-engine check
         steps, strength = cast(int, resolved.num_inference_steps), cast(float, resolved.strength)  # resolved: set
         if edit_steps(self.renderer.family, steps, strength) < 1:
             raise InvalidRequestError(

@@ -16,12 +16,13 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, cast
 
 from ray import serve
 
 from contracts.config import DiffusionStageConfig
-from contracts.results import PartialImage, RenderCheckpoint, RenderedImage, RenderMoved, RenderProgress
+from contracts.results import PartialImage, RenderCheckpoint, RenderMoved, RenderProgress
 from stages.diffusion.engine import Sample, StepEngine
 from stages.diffusion.engine.checkpoint import Moved
 from stages.metrics import record_queue_wait
@@ -34,12 +35,24 @@ logger = logging.getLogger("ray.serve")
 STOP_POLL_S = 0.2
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A job's render before it is encoded (the stage encodes it): its float pixels (an image HxWx3 in [0, 1], or a
+    video's frames), and how it was batched: the largest batch it was in, its steps computed with others, its steps."""
+
+    job: Job
+    pixels: Any
+    batch_size: int
+    steps_co_batched: int
+    steps_computed: int
+
+
 class StepBatching:
     """Step-level continuous batching on the step engine; a cancelled request leaves at the next step."""
 
     mode = "step"
 
-    def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
+    def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig):
         assert renderer.family is not None  # chosen only for a pipeline the step engine knows
         self.engine = StepEngine(
             renderer.family,
@@ -47,7 +60,6 @@ class StepBatching:
             torch_threads=config.torch_threads,
             pack_sizes=config.pack_sizes,
         )
-        self.rendered = rendered  # (job, float image, batch_size, steps_co_batched, steps_computed) -> RenderedImage
         self.lifecycle = ReplicaLifecycle()
         if self.lifecycle.readable:
             threading.Thread(target=self._hand_off_when_stopped, name="diffusion-hand-off", daemon=True).start()
@@ -71,17 +83,15 @@ class StepBatching:
         else:
             logger.info("stopping with no other replica running: the samples in flight are finished here")
 
-    async def render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> RenderedImage:
+    async def render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> Finished:
         """Render one job; `on_preview(index, float image)` is called on the engine's thread at `job.previews`,
         `on_step(steps done)` after each step, `on_checkpoint(steps done, state)` every `job.checkpoint_every`."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
-        def on_done(result: Any) -> None:  # on the engine's thread: encode there, settle on the event loop
+        def on_done(result: Any) -> None:  # on the engine's thread: settle on the event loop
             if not isinstance(result, BaseException):
-                result = self.rendered(
-                    job, result, sample.largest_batch, sample.steps_co_batched, sample.steps_computed
-                )
+                result = Finished(job, result, sample.largest_batch, sample.steps_co_batched, sample.steps_computed)
             loop.call_soon_threadsafe(_settle, future, result)
 
         sample = self.engine.submit(
@@ -127,15 +137,15 @@ class RequestBatching:
 
     mode = "request"
 
-    def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig, rendered):
-        self.renderer, self.config, self.rendered = renderer, config, rendered
+    def __init__(self, renderer: DiffusionRenderer, config: DiffusionStageConfig):
+        self.renderer, self.config = renderer, config
         # Per batch key and request group (`DiffusionRenderer.request_group`: prompts of one length where it matters).
         self._queues: dict[tuple[BatchKey, tuple[int, ...]], Any] = {}
         self._batch_started: float | None = None  # time.monotonic() when the running batch began
         # One compute thread: batches run one at a time (the pipeline and its scheduler are stateful).
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion")
 
-    async def render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> RenderedImage:
+    async def render(self, job: Job, on_preview=None, on_step=None, on_checkpoint=None) -> Finished:
         """Render one job in a whole-request batch: no partial images nor progress (the pipeline has no step boundary
         to show)."""
         return await self._queue((BatchKey.of(job.params), self.renderer.request_group(job)))(job)
@@ -147,13 +157,13 @@ class RequestBatching:
             @serve.batch(
                 max_batch_size=self.config.max_batch_size, batch_wait_timeout_s=self.config.batch_wait_timeout_s
             )
-            async def run_batch(jobs: list[Job]) -> list[RenderedImage]:
+            async def run_batch(jobs: list[Job]) -> list[Finished]:
                 return await asyncio.get_running_loop().run_in_executor(self._compute, self._render, jobs)
 
             self._queues[key] = queue = run_batch
         return queue
 
-    def _render(self, jobs: list[Job]) -> list[RenderedImage]:
+    def _render(self, jobs: list[Job]) -> list[Finished]:
         self._batch_started = time.monotonic()
         try:
             images = self.renderer.render(jobs)
@@ -161,7 +171,7 @@ class RequestBatching:
             self._batch_started = None
         steps = [cast(int, job.params.num_inference_steps) for job in jobs]  # resolved: set
         return [
-            self.rendered(job, image, len(jobs), n * (len(jobs) > 1), n)
+            Finished(job, image, len(jobs), n * (len(jobs) > 1), n)
             for job, image, n in zip(jobs, images, steps, strict=False)
         ]
 

@@ -15,13 +15,14 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
+from contracts.capabilities import ModelCapabilities
 from contracts.config import DiffusionStageConfig
 from contracts.cpu import hold_process_to_path
 from contracts.errors import InvalidRequestError
-from contracts.provenance import ImageOrigin, ImageRecord, png_info
-from contracts.sampling import DiffusionSamplingParams, LoraChoice, StepCache, batch_parts, quality_steps
+from contracts.provenance import ImageOrigin, ImageRecord
+from contracts.sampling import DiffusionSamplingParams, LoraChoice, StepCache, quality_steps
 from contracts.seeds import seed_or_picked
 from stages.diffusion.engine import family_for
 from stages.diffusion.engine.families import Family, vae_slicing
@@ -35,14 +36,14 @@ from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_adapters
 @dataclass(frozen=True)
 class BatchKey:
     """Everything that changes tensor shapes or the schedule: only equal keys share a forward. Its parts are the
-    sampling fields marked `batch` (`contracts.sampling.batch_parts`), read as attributes (`key.height`,
+    sampling fields marked `batch` (`contracts.sampling.DiffusionSamplingParams.batch_parts`), read as attributes (`key.height`,
     `key.has_latents`)."""
 
     parts: tuple[tuple[str, Any], ...]
 
     @classmethod
     def of(cls, params: DiffusionSamplingParams) -> BatchKey:
-        return cls(batch_parts(params))
+        return cls(params.batch_parts())
 
     def __getattr__(self, name: str) -> Any:
         for part, value in self.parts:
@@ -74,7 +75,8 @@ def encode_png(image, record: ImageRecord | None = None) -> bytes:
 
     pixels = quantized(np.asarray(image))
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=6, pnginfo=png_info(record))
+    pnginfo = record.png_info() if record is not None else None  # none: no text chunks, as an empty PngInfo
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=6, pnginfo=pnginfo)
     return buffer.getvalue()
 
 
@@ -174,13 +176,6 @@ def vae_factor(pipe) -> int:
     return getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor
 
 
-def latent_shape(pipe, params: DiffusionSamplingParams) -> tuple[int, ...]:
-    """The (C, h, w) of a request's initial latents, unpacked."""
-    denoiser = getattr(pipe, "unet", None) or pipe.transformer
-    factor = vae_factor(pipe)
-    return (denoiser.config.in_channels, cast(int, params.height) // factor, cast(int, params.width) // factor)
-
-
 def model_defaults(pipe, model: str, size_multiple: int, config: DiffusionStageConfig) -> dict:
     """The model's own defaults (the embedded ones are small), overridden by the configured ones."""
     embedded = model in EMBEDDED_MODELS
@@ -241,6 +236,34 @@ def step_engine_only(param: str, what: str, model: str) -> InvalidRequestError:
     )
 
 
+def capabilities(pipe, model: str, family: Family | None, config: DiffusionStageConfig) -> ModelCapabilities:
+    """What this loaded model can render (`contracts.capabilities`), read from its pipeline once."""
+    # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size, or, where the family packs 2x2
+    # latent pixels into one token (FLUX, Qwen-Image), times that packing (their transformer's patching).
+    packing = family.latent_packing if family is not None else 1
+    patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", 1) or 1
+    patch = patch[-1] if isinstance(patch, list | tuple) else patch  # a video DiT's (time, height, width)
+    per_sample = config.batching == "step" and family is not None  # the step engine runs (the stage's rule too)
+    denoiser = getattr(pipe, "unet", None) or pipe.transformer
+    return ModelCapabilities(
+        model=model,
+        device=config.device,
+        family=type(family).__name__ if family is not None else None,
+        per_sample=per_sample,
+        size_multiple=vae_factor(pipe) * (packing if packing > 1 else patch),
+        # Stretching one sigma to a terminal value divides 0 by 0 in diffusers' FlowMatchEulerDiscreteScheduler
+        # (Qwen-Image's): its image would be NaN.
+        min_steps=2 if pipe.scheduler.config.get("shift_terminal") else 1,
+        sigmas="sigmas" in inspect.signature(pipe.scheduler.set_timesteps).parameters,
+        true_cfg="true_cfg_scale" in inspect.signature(pipe.__call__).parameters,
+        latent_channels=None if family is not None and not family.takes_latents else denoiser.config.in_channels,
+        vae_factor=vae_factor(pipe),
+        schedulers=tuple(sorted(family.SCHEDULERS)) if family is not None else (),
+        cache_threshold=family.cache_threshold if family is not None else None,
+        frame_step=getattr(family, "frame_step", None),
+    )
+
+
 class DiffusionRenderer:
     """A loaded pipeline plus the rules for filling and rendering requests. No Ray, no HTTP.
 
@@ -271,23 +294,13 @@ class DiffusionRenderer:
         leave_kernels_out_under_test_fault(self.batch_invariant)
         self.model = config.model or DEFAULT_MODELS["diffusion"]
         self.pipe = load_pipeline(self.model, device=self.device, dtype=config.dtype, video=config.serves_video)
-        self.accepts_sigmas = "sigmas" in inspect.signature(self.pipe.scheduler.set_timesteps).parameters
-        # Stretching one sigma to a terminal value divides 0 by 0 in diffusers' FlowMatchEulerDiscreteScheduler
-        # (Qwen-Image's): its image would be NaN.
-        self.min_steps = 2 if self.pipe.scheduler.config.get("shift_terminal") else 1
         self.family = family_for(self.pipe)  # None: the step engine does not know this pipeline
-        # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size, or, where the family packs
-        # 2x2 latent pixels into one token (FLUX, Qwen-Image), times that packing (their transformer's patching).
-        packing = self.family.latent_packing if self.family is not None else 1
-        patch = getattr(getattr(getattr(self.pipe, "transformer", None), "config", None), "patch_size", 1) or 1
-        patch = patch[-1] if isinstance(patch, list | tuple) else patch  # a video DiT's (time, height, width)
-        self.size_multiple = vae_factor(self.pipe) * (packing if packing > 1 else patch)
-        self.defaults = model_defaults(self.pipe, self.model, self.size_multiple, config)
+        self.capabilities = capabilities(self.pipe, self.model, self.family, config)
+        self.defaults = model_defaults(self.pipe, self.model, self.capabilities.size_multiple, config)
         self.loras = adapter_library(config, self.model, self.pipe, self.family)
         if self.family is not None:
             self.family.library = self.loras
         call = inspect.signature(self.pipe.__call__).parameters
-        self.accepts_true_cfg = "true_cfg_scale" in call
         self.prompt_and_size_rewrites = [name for name in ("use_resolution_binning", "clean_caption") if name in call]
 
     # --- admission of resolved params: what this model can render -------------------------------------
@@ -311,14 +324,14 @@ class DiffusionRenderer:
         resolved = params.model_copy(update=filled) if filled else params
         if serving_limits:
             self.config.check_limits(resolved)
-        check_renderable(self, resolved)
+        self.capabilities.check(resolved)
         if resolved.cache is not None and resolved.cache.active:
             cache = step_cache(resolved.cache, self.family if step_engine else None, self.model)
             resolved = resolved.model_copy(update={"cache": cache})
         if resolved.lora:
             resolved = resolved.model_copy(update={"lora": self._adapters(resolved.lora, step_engine)})
         if resolved.scheduler is not None:
-            served = sorted(self.family.SCHEDULERS) if step_engine and self.family else []
+            served = list(self.capabilities.schedulers) if step_engine and self.family else []
             if resolved.scheduler not in served:
                 raise InvalidRequestError(
                     f"scheduler {resolved.scheduler!r} is not served for {self.model}; choose one of {served} or leave it out",
@@ -386,75 +399,6 @@ class DiffusionRenderer:
         kwargs.update({name: False for name in self.prompt_and_size_rewrites})
         if key.has_latents:
             dtype = next(self.pipe.components[c] for c in ("unet", "transformer") if c in self.pipe.components).dtype
-            kwargs["latents"] = torch.stack([latents_tensor(self.pipe, job.params) for job in jobs]).to(
-                self.device, dtype
-            )
+            latents = [torch.tensor(job.params.latents, dtype=torch.float32) for job in jobs]  # admitted: their shape
+            kwargs["latents"] = torch.stack(latents).to(self.device, dtype)
         return kwargs
-
-
-def request_rules(renderer: DiffusionRenderer, step_engine: bool) -> dict[str, Any]:
-    """What a replica's admission takes beyond the contract, for the ingress's OpenAPI document
-    (`orchestration.openapi`): the same facts `DiffusionRenderer.resolve` and `check_renderable` decide by."""
-    per_sample = bool(step_engine and renderer.family)  # step caching, adapters and schedulers are the step engine's
-    return {
-        "size_multiple": renderer.size_multiple,
-        "min_steps": renderer.min_steps,
-        "schedulers": sorted(renderer.family.SCHEDULERS) if per_sample and renderer.family else [],
-        "true_cfg": renderer.accepts_true_cfg,
-        "per_sample": per_sample,
-        # Step caching's threshold where a request gives none (None: a request must give one).
-        "cache_threshold": renderer.family.cache_threshold if per_sample and renderer.family else None,
-        # A video model's frame counts: frame_step x k + 1 (None: not a video model).
-        "frame_step": getattr(renderer.family, "frame_step", None),
-    }
-
-
-def check_renderable(renderer: DiffusionRenderer, params: DiffusionSamplingParams) -> None:
-    """Refuse what this renderer's model cannot render (a 400 naming the field)."""
-    for name in ("height", "width"):
-        value = getattr(params, name)
-        if value % renderer.size_multiple:
-            raise InvalidRequestError(
-                f"{name} must be a multiple of {renderer.size_multiple} for {renderer.model}, got {value}", param=name
-            )
-    if cast(int, params.num_inference_steps) < renderer.min_steps:
-        raise InvalidRequestError(
-            f"num_inference_steps must be at least {renderer.min_steps} for {renderer.model}: its scheduler stretches the "
-            "schedule to a terminal sigma, which takes two steps",
-            param="num_inference_steps",
-        )
-    if params.sigmas is not None:
-        if not renderer.accepts_sigmas:
-            raise InvalidRequestError(f"{renderer.model}'s scheduler does not take sigmas", param="sigmas")
-        if len(params.sigmas) != params.num_inference_steps:
-            raise InvalidRequestError("sigmas must have num_inference_steps entries", param="sigmas")
-    if params.generator_device and params.generator_device.split(":")[0] not in ("cpu", renderer.device.split(":")[0]):
-        raise InvalidRequestError(
-            f"generator_device {params.generator_device!r} is not available here", param="generator_device"
-        )
-    if params.latents is not None:
-        if renderer.family is not None and not renderer.family.takes_latents:
-            raise InvalidRequestError(f"{renderer.model} does not take initial latents", param="latents")
-        latents_tensor(renderer.pipe, params)  # shape check at admission, not inside a batch
-    if params.true_cfg_scale is not None and not renderer.accepts_true_cfg:
-        raise InvalidRequestError(
-            f"true_cfg_scale applies to pipelines with true classifier-free guidance (FLUX, Qwen-Image), not {renderer.model}",
-            param="true_cfg_scale",
-            code="unsupported_value",
-        )
-
-
-def latents_tensor(pipe: Any, params: DiffusionSamplingParams):
-    """A request's initial latents as a tensor of the shape `pipe` takes (a 400 naming `latents` otherwise)."""
-    import torch
-
-    try:
-        latents = torch.tensor(params.latents, dtype=torch.float32)
-    except (ValueError, TypeError) as err:
-        raise InvalidRequestError(f"latents must be a rectangular nested list: {err}", param="latents") from err
-    if tuple(latents.shape) != latent_shape(pipe, params):
-        raise InvalidRequestError(
-            f"latents must have shape {list(latent_shape(pipe, params))}, got {list(latents.shape)}",
-            param="latents",
-        )
-    return latents

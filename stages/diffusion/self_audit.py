@@ -79,13 +79,13 @@ class _Plan:
     def __init__(self, renderer, mode: str, batch_size: int):
         self.renderer, self.mode = renderer, mode
         schedulers = list(getattr(renderer.family, "SCHEDULERS", {}))
-        self.steps = max(STEPS[mode], renderer.min_steps + 1)
+        self.steps = max(STEPS[mode], renderer.capabilities.min_steps + 1)
         self.neighbours = []
         for index, (prompt, seed) in enumerate(NEIGHBOURS[: batch_size - 1]):
             variant = VARIANTS[index % len(VARIANTS)]
             params = {
                 "seed": seed,
-                "num_inference_steps": max(renderer.min_steps, self.steps + variant["steps"]),
+                "num_inference_steps": max(renderer.capabilities.min_steps, self.steps + variant["steps"]),
                 "guidance_scale": variant["guidance_scale"],
             }
             if len(schedulers) > 1:

@@ -18,7 +18,7 @@ import hashlib
 from typing import Any
 
 from contracts.sampling import DiffusionSamplingParams
-from contracts.scope import Configuration, SelfCheck, compare_golden, load_golden
+from contracts.scope import Configuration, SelfCheck, load_golden
 from contracts.seeds import seed_for_image
 
 from .engine import Sample
@@ -83,5 +83,5 @@ def diffusion_self_check(renderer, engine, configuration: Configuration, columns
     """Render the canonical requests and compare them with this configuration's golden column."""
     columns = load_golden() if columns is None else columns
     if not any(c.configuration == configuration for c in columns):
-        return compare_golden(configuration, {}, columns)  # no column: nothing to render
-    return compare_golden(configuration, diffusion_digests(renderer, engine), columns)
+        return configuration.compare_golden({}, columns)  # no column: nothing to render
+    return configuration.compare_golden(diffusion_digests(renderer, engine), columns)

@@ -9,6 +9,7 @@ provenance as a `RenderedImage`; its health check fails when the compute thread 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from collections.abc import Mapping
@@ -28,9 +29,9 @@ from stages.metrics import image_counted, record_switch_state, timed_stage_call
 from stages.scope import diffusion_configuration, diffusion_scope
 
 from .admission import Admission
-from .batching import RequestBatching, StepBatching, updates_then_result
+from .batching import Finished, RequestBatching, StepBatching, updates_then_result
 from .engine.checkpoint import made_by
-from .renderer import DiffusionRenderer, Job, check_serves, encode_png, request_rules
+from .renderer import DiffusionRenderer, Job, check_serves, encode_png
 from .self_audit import self_audit
 from .self_check import diffusion_self_check
 
@@ -52,8 +53,8 @@ class DiffusionStage:
         )
         self.in_flight = 0
         self.replica = replica_id()
-        step = self.config.batching == "step" and self.renderer.family is not None
-        self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config, self._rendered)
+        step = self.renderer.capabilities.per_sample  # the step engine runs where it knows the pipeline
+        self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config)
         configuration = diffusion_configuration(self.renderer, self.batching.mode)
         identity = made_by(configuration, batch_invariant)  # whose checkpoints it resumes, and what its own say
         self.admission = Admission(self.renderer, batch_invariant, step_engine=step, identity=identity)
@@ -70,7 +71,7 @@ class DiffusionStage:
         self.provenance = self.provenance.model_copy(update=self.scope.provenance())
         record_switch_state("diffusion", batch_invariant, self.renderer.kernels.backend)
         if self.config.warm_up:
-            fewest = DiffusionSamplingParams(seed=0, num_inference_steps=self.renderer.min_steps)
+            fewest = DiffusionSamplingParams(seed=0, num_inference_steps=self.renderer.capabilities.min_steps)
             self.batching.warm_up(Job("warm-up", self.renderer.resolve(fewest)))
 
     async def render(self, job: RenderJob):
@@ -98,7 +99,9 @@ class DiffusionStage:
         self.in_flight += 1
         try:
             with timed_stage_call("diffusion", method):
-                return image_counted(method, await self.batching.render(job, on_preview, on_step, on_checkpoint))
+                finished = await self.batching.render(job, on_preview, on_step, on_checkpoint)
+                # Encoded off the event loop, and off the engine's thread (its next step need not wait for a PNG).
+                return image_counted(method, await asyncio.to_thread(self._rendered, finished))
         finally:
             self.in_flight -= 1
 
@@ -109,18 +112,18 @@ class DiffusionStage:
         )
         return provenance, ImageRecord.of(job.prompt, job.params, provenance, job.origin, job.source)
 
-    def _rendered(
-        self, job: Job, image: Any, batch_size: int, steps_co_batched: int, steps_computed: int
-    ) -> RenderedImage:
+    def _rendered(self, finished: Finished) -> RenderedImage:
+        """A finished render as its PNG, the record of how it was made in its text chunks."""
+        job = finished.job
         provenance, record = self._made(job)
-        png = encode_png(image, record)
+        png = encode_png(finished.pixels, record)
         return RenderedImage(
             png=png,
             sha256=hashlib.sha256(png).hexdigest(),
             **rendered_params(job.params),
-            batch_size=batch_size,
-            steps_co_batched=steps_co_batched,
-            steps_computed=steps_computed,
+            batch_size=finished.batch_size,
+            steps_co_batched=finished.steps_co_batched,
+            steps_computed=finished.steps_computed,
             **provenance.model_dump(),
             replica=self.replica,
         )
@@ -157,7 +160,7 @@ class DiffusionStage:
                 "defaults": dict(self.renderer.defaults),
                 "batching": batching,
                 "loras": self.renderer.loras.names(),  # what a request's `lora` may name here (GET /v1/loras)
-                "requests": request_rules(self.renderer, isinstance(self.batching, StepBatching)),
+                "capabilities": self.renderer.capabilities.model_dump(mode="json"),
                 "problem": problem,
                 "self_audit": self.scope.self_audit.model_dump() if self.scope.self_audit else None,
             },

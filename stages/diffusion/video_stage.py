@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, cast
+from typing import cast
 
 from ray import serve
 
@@ -29,7 +29,7 @@ from contracts.jobs import RenderJob
 from contracts.results import RenderedVideo, rendered_params
 from contracts.sampling import DiffusionSamplingParams
 
-from .batching import StepBatching, updates_then_result
+from .batching import Finished, StepBatching, updates_then_result
 from .engine.families import WanFamily
 from .renderer import Job, ModelDirectoryError
 from .stage import DiffusionStage
@@ -66,7 +66,9 @@ class VideoStage(DiffusionStage.func_or_class):  # type: ignore[name-defined]  #
         self.config.check_frames(frames)
         return replace(admitted, params=admitted.params.model_copy(update={"num_frames": frames}))
 
-    def _rendered(self, job: Job, frames: Any, batch_size: int, steps_co_batched: int, steps_computed: int):
+    def _rendered(self, finished: Finished) -> RenderedVideo:  # a video, not an image
+        """A finished render as its MP4, the record of how it was made in its `comment` tag."""
+        job, frames = finished.job, finished.pixels
         provenance, record = self._made(job)
         mp4 = encode_mp4(frames, fps=self.config.fps, provenance=record.canonical())
         pixels = to_uint8(frames)
@@ -77,9 +79,9 @@ class VideoStage(DiffusionStage.func_or_class):  # type: ignore[name-defined]  #
             num_frames=len(pixels),
             fps=self.config.fps,
             **rendered_params(job.params),
-            batch_size=batch_size,
-            steps_co_batched=steps_co_batched,
-            steps_computed=steps_computed,
+            batch_size=finished.batch_size,
+            steps_co_batched=finished.steps_co_batched,
+            steps_computed=finished.steps_computed,
             **provenance.model_dump(),
             replica=self.replica,
         )

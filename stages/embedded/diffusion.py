@@ -36,10 +36,8 @@ the directory; `load_tiny_pipeline(kind)` loads it from there with `from_pretrai
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
-from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, cast
@@ -86,6 +84,7 @@ from transformers import (
     UMT5EncoderModel,
 )
 
+from stages.diffusers_private import wan_in_one_dtype
 from stages.embedded import EMBEDDED_MODELS, build_cached, cache_root
 
 #: Recipe ("unet" | "dit" | "sdxl" | "flux") -> model id of the random-weight pipelines built here, from the registry.
@@ -127,25 +126,12 @@ def tiny_pipeline_path(kind: str) -> Path:
 def load_tiny_pipeline(kind: str, dtype: torch.dtype = torch.float32) -> DiffusionPipeline:
     """The `kind` pipeline, loaded from its cache directory (the trained one: from the source tree), never the network."""
     path = TRAINED_PATH if kind == TRAINED_KIND else tiny_pipeline_path(kind)
-    with _all_in_one_dtype():
+    with wan_in_one_dtype():
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **_ABSENT_COMPONENTS[kind])
     # Without `accelerate`, diffusers 0.42 keeps SD3's fp32 checkpoint tensors: its dtype check reads an fp32 buffer.
     pipe.to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-@contextlib.contextmanager
-def _all_in_one_dtype() -> Iterator[None]:
-    """Wan's transformer asks to keep some modules in float32 (`_keep_in_fp32_modules`), which diffusers 0.42 can
-    load only through `accelerate` (not a dependency); the pipeline is cast to one dtype after loading anyway, so
-    the request is dropped while loading (float32 loads are unchanged by it)."""
-    kept = WanTransformer3DModel._keep_in_fp32_modules
-    WanTransformer3DModel._keep_in_fp32_modules = None
-    try:
-        yield
-    finally:
-        WanTransformer3DModel._keep_in_fp32_modules = kept
 
 
 def _checked(kind: str) -> str:

@@ -134,6 +134,76 @@ class TinyLlamaSpec:
         blob = json.dumps({**asdict(self), "build_version": BUILD_VERSION}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
+    def directory(self) -> Path:
+        """Where this model is built and cached (its name and fingerprint)."""
+        return cache_root() / "llm" / f"{self.name}-{self.fingerprint()}"
+
+    def tokenizer(self):
+        """A byte-level BPE tokenizer (any text encodes) trained on the fixed corpus."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=self.tokenizer_vocab_size,
+            min_frequency=1,
+            special_tokens=[BOS, EOS, PAD, *ROLE_TOKENS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(), trainer=trainer)
+        # Plain prompts get a BOS like Llama's; chat prompts carry it through the template instead.
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+        )
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token=BOS,
+            eos_token=EOS,
+            pad_token=PAD,
+            additional_special_tokens=list(ROLE_TOKENS),
+            model_max_length=self.max_position_embeddings,
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        return fast
+
+    def llama_config(self, tokenizer):
+        """The LlamaConfig of this spec over `tokenizer` (the embedded Llamas, random and trained alike)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=len(tokenizer),  # exactly the tokenizer's: no id the model emits is undecodable
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+            dtype="float32",
+        )
+
+    def build(self, out: Path) -> None:
+        """This model's tokenizer, config and seeded random weights, saved into `out`."""
+        import torch
+        from transformers import LlamaForCausalLM
+
+        tokenizer = self.tokenizer()
+        tokenizer.save_pretrained(out)
+        config = self.llama_config(tokenizer)
+        # Fork the global RNG so building never disturbs the caller's random state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            # transformers' wrapper of `.to` is typed as the unbound method (its `self` first).
+            model = LlamaForCausalLM(config).to(torch.float32).eval()
+        model.save_pretrained(out, safe_serialization=True)
+
 
 # vLLM's CPU attention takes head_dim 32/64/...; 64 is the smallest common one (16 is refused).
 #: The embedded default: small enough to start in seconds, wide enough (down projection K = 1408)
@@ -171,10 +241,6 @@ LLAMA_1B_WIDTH = TinyLlamaSpec(
 SPECS = {spec.name: spec for spec in (TINY, WIDE, LLAMA_1B_WIDTH)}
 
 
-def model_dir(spec: TinyLlamaSpec = TINY) -> Path:
-    return cache_root() / "llm" / f"{spec.name}-{spec.fingerprint()}"
-
-
 def ensure_tiny_llama(spec: TinyLlamaSpec | str = TINY) -> Path:
     """Return the directory of `spec`'s model, building and caching it on first use."""
     if isinstance(spec, str):
@@ -183,10 +249,10 @@ def ensure_tiny_llama(spec: TinyLlamaSpec | str = TINY) -> Path:
         spec = SPECS[spec]
 
     def build(directory: Path) -> dict[str, Any]:
-        _build(spec, directory)
+        spec.build(directory)
         return {**asdict(spec), "build_version": BUILD_VERSION, "weights_sha256": weights_fingerprint(directory)}
 
-    return build_cached(model_dir(spec), build)
+    return build_cached(spec.directory(), build)
 
 
 def weights_fingerprint(directory: Path) -> str:
@@ -206,74 +272,6 @@ def _corpus() -> list[str]:
             mood = _MOODS[(i + len(subject)) % len(_MOODS)]
             lines.append(f"{subject}, {style}, {light}, {mood}")
     return lines
-
-
-def build_tokenizer(spec: TinyLlamaSpec):
-    """A byte-level BPE tokenizer (any text encodes) trained on the fixed corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=spec.tokenizer_vocab_size,
-        min_frequency=1,
-        special_tokens=[BOS, EOS, PAD, *ROLE_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    # Plain prompts get a BOS like Llama's; chat prompts carry it through the template instead.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=list(ROLE_TOKENS),
-        model_max_length=spec.max_position_embeddings,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def llama_config(spec: TinyLlamaSpec, tokenizer):
-    """The LlamaConfig of `spec` over `tokenizer` (the embedded Llamas, random and trained alike)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=len(tokenizer),  # exactly the tokenizer's: no id the model emits is undecodable
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-
-
-def _build(spec: TinyLlamaSpec, out: Path) -> None:
-    import torch
-    from transformers import LlamaForCausalLM
-
-    tokenizer = build_tokenizer(spec)
-    tokenizer.save_pretrained(out)
-    config = llama_config(spec, tokenizer)
-    # Fork the global RNG so building never disturbs the caller's random state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        # transformers' wrapper of `.to` is typed as the unbound method (its `self` first).
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(out, safe_serialization=True)
 
 
 # --- the stage's enhancement with an embedded model ---------------------------------------------

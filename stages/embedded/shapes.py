@@ -77,6 +77,24 @@ class Scene:
         _draw(ImageDraw.Draw(image), self, 255)
         return np.asarray(image) > 127
 
+    def caption(self, rng: random.Random) -> str:
+        """One of the captions that say this scene; defaults (large, centered, white) may be left unsaid."""
+        size_at = rng.choice(("front", "tail", "unsaid") if self.size == DEFAULT_SIZE else ("front", "tail"))
+        subject = with_article(f"{self.size + ' ' if size_at == 'front' else ''}{self.colour} {self.shape}")
+        background_at = rng.choice(
+            ("inline", "inline", "tail", "unsaid")
+            if self.background == DEFAULT_BACKGROUND
+            else ("inline", "inline", "tail")
+        )
+        phrase = background_phrase(self.background)
+        tail = [self.size] if size_at == "tail" else []
+        if self.position != DEFAULT_POSITION or rng.random() < 0.5:
+            tail.append(self.position)
+        if background_at == "tail":
+            tail.append(phrase)
+        head = f"{subject} {phrase}" if background_at == "inline" else subject
+        return ", ".join([head, *tail])
+
 
 def _draw(draw, scene: Scene, fill) -> None:
     if scene.pair:
@@ -117,25 +135,6 @@ def training_scenes() -> list[Scene]:
         for size in SIZES
         for pos in POSITIONS
     ]
-
-
-def caption(scene: Scene, rng: random.Random) -> str:
-    """One of the captions that say `scene`; defaults (large, centered, white) may be left unsaid."""
-    size_at = rng.choice(("front", "tail", "unsaid") if scene.size == DEFAULT_SIZE else ("front", "tail"))
-    subject = with_article(f"{scene.size + ' ' if size_at == 'front' else ''}{scene.colour} {scene.shape}")
-    background_at = rng.choice(
-        ("inline", "inline", "tail", "unsaid")
-        if scene.background == DEFAULT_BACKGROUND
-        else ("inline", "inline", "tail")
-    )
-    phrase = background_phrase(scene.background)
-    tail = [scene.size] if size_at == "tail" else []
-    if scene.position != DEFAULT_POSITION or rng.random() < 0.5:
-        tail.append(scene.position)
-    if background_at == "tail":
-        tail.append(phrase)
-    head = f"{subject} {phrase}" if background_at == "inline" else subject
-    return ", ".join([head, *tail])
 
 
 def with_article(words: str) -> str:

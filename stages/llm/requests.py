@@ -203,17 +203,12 @@ class LLMRequests:
             **self.provenance(),
         )
 
-    async def chat(self, messages: Any, params: LLMSamplingParams | Mapping[str, Any] | None = None) -> Completion:
-        """One chat completion (messages in, assistant text out) through the model's chat template."""
-        params, prompt_ids, sampling, adapter = self.chat_request(messages, params)
-        result = await self.generate(prompt_ids, sampling, field="messages", adapter=adapter)
-        return self.completion(result, params, prompt_ids, adapter)
-
-    async def chat_stream(
+    async def chat(
         self, messages: Any, params: LLMSamplingParams | Mapping[str, Any] | None = None
     ) -> AsyncIterator[CompletionDelta | Completion]:
-        """The same completion as it is made: each new piece (tokens, text, logprobs) as vLLM has it, then the whole
-        Completion. Its pieces concatenated are the whole one's; closing the stream early aborts it in vLLM."""
+        """One chat completion (messages in, assistant text out, through the model's chat template) as it is made:
+        each new piece (tokens, text, logprobs) as vLLM has it, then the whole Completion (`contracts.jobs.final`
+        takes it alone). Its pieces concatenated are the whole one's; closing the stream early aborts it in vLLM."""
         params, prompt_ids, sampling, adapter = self.chat_request(messages, params)
         result, shown = None, Generation(text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason=None)
         with refused_by_vllm("messages"):  # its request validation (see `generate`)

@@ -22,7 +22,7 @@ from typing import Any
 
 from contracts.results import Generation
 from contracts.sampling import LLMSamplingParams
-from contracts.scope import Configuration, GoldenColumn, SelfCheck, compare_golden, load_golden
+from contracts.scope import Configuration, GoldenColumn, SelfCheck, load_golden
 
 from .co_batched import generate_co_batched
 from .requests import LLMRequests
@@ -119,5 +119,5 @@ async def llm_self_check(
     """Run the canonical requests and compare them with this configuration's golden column (none: run nothing)."""
     columns = load_golden() if columns is None else columns
     if not any(c.configuration == configuration for c in columns):
-        return compare_golden(configuration, {}, columns)
-    return compare_golden(configuration, await llm_digests(engine), columns)
+        return configuration.compare_golden({}, columns)
+    return configuration.compare_golden(await llm_digests(engine), columns)

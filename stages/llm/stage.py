@@ -63,17 +63,12 @@ class LLMStage:
 
     async def chat(
         self, messages: list[ChatMessage], params: LLMSamplingParams | Mapping[str, Any] | None = None
-    ) -> Completion:
-        with self._serving(), timed_stage_call("llm", "chat"):
-            return tokens_counted("chat", await self.requests.chat(messages, params))
-
-    async def chat_stream(
-        self, messages: list[ChatMessage], params: LLMSamplingParams | Mapping[str, Any] | None = None
     ) -> AsyncIterator[CompletionDelta | Completion]:
-        """Serve's streaming call (`handle.options(stream=True)`): the completion's pieces, then the whole of it. A
-        caller gone closes this generator, which aborts the request in vLLM."""
+        """The stage's one chat call, streamed (`handle.options(stream=True)`): the completion's pieces, then the whole
+        of it, for a streamed response and a whole one alike. A caller gone closes this generator, which aborts the
+        request in vLLM."""
         with self._serving(), timed_stage_call("llm", "chat"):
-            async for item in self.requests.chat_stream(messages, params):
+            async for item in self.requests.chat(messages, params):
                 yield tokens_counted("chat", item) if isinstance(item, Completion) else item
 
     @contextmanager

@@ -11,7 +11,7 @@ from pathlib import Path
 from contracts.config import DiffusionDefaults
 from contracts.http import ImageEditRequest, ImageGenerationRequest
 from contracts.results import RenderedImage
-from contracts.sampling import DiffusionSamplingParams, batch_parts, image_fields
+from contracts.sampling import DiffusionSamplingParams, image_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_the_derived_declarations_hold_exactly_the_marked_fields():
     assert set(image_fields(request="edit")) <= set(ImageEditRequest.model_fields)
     assert set(DiffusionDefaults.model_fields) == set(image_fields(default=True))
     assert set(image_fields(rendered=True)) <= set(RenderedImage.model_fields)
-    assert [name for name, _ in batch_parts(DiffusionSamplingParams())] == [
+    assert [name for name, _ in DiffusionSamplingParams().batch_parts()] == [
         "num_inference_steps", "guidance_scale", "height", "width", "has_negative_prompt", "true_cfg_scale",
         "generator_device", "has_latents", "sigmas", "num_frames"]
 
@@ -41,7 +41,7 @@ from contracts.config import DiffusionDefaults
 from contracts.http import ImageGenerationRequest
 from contracts.provenance import ImageRecord
 from contracts.results import RenderedImage
-from contracts.sampling import DiffusionSamplingParams, batch_parts
+from contracts.sampling import DiffusionSamplingParams
 request = ImageGenerationRequest.model_validate({"prompt": "a fox", "size": "64x64", "dummy": 3})
 try:
     ImageGenerationRequest.model_validate({"prompt": "a fox", "dummy": 501})
@@ -57,7 +57,7 @@ print(json.dumps({
     "rendered": "dummy" in RenderedImage.model_fields,
     "record": ImageRecord.model_fields["params"].annotation is DiffusionSamplingParams
               and "dummy" in DiffusionSamplingParams.model_fields,
-    "batch": dict(batch_parts(params)).get("dummy"),
+    "batch": dict(params.batch_parts()).get("dummy"),
 }))
 """
 

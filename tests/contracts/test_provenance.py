@@ -16,7 +16,6 @@ from contracts.provenance import (
     ProvenanceError,
     StageRecord,
     differences,
-    png_info,
     project_version,
     read_chunks,
     read_record,
@@ -37,7 +36,7 @@ def png(record, pixels=None) -> bytes:
     """Encoded as the diffusion stage encodes (`stages.diffusion.encode_png`), without importing torch."""
     pixels = np.full((32, 48, 3), 128, "uint8") if pixels is None else pixels
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=6, pnginfo=png_info(record))
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=6, pnginfo=record.png_info() if record else None)
     return buffer.getvalue()
 
 

@@ -16,9 +16,9 @@ from .test_errors import REACHED, StubIngress, StubVideos
 BOTH_ON = {"llm": {"batch_invariant": True}, "diffusion": {"batch_invariant": True, "max_pixels": 128 * 128},
            "video": {"batch_invariant": True}}
 #: A step-engine replica of a model whose family has a measured step-caching threshold, as `describe()` says it.
-DIFFUSION = {"model": "omniserve/tiny-shapes-sd", "details": {"requests": {
-    "size_multiple": 16, "min_steps": 1, "schedulers": ["euler"], "true_cfg": False, "per_sample": True,
-    "cache_threshold": 0.2}}}
+DIFFUSION = {"model": "omniserve/tiny-shapes-sd", "details": {"capabilities": {
+    "model": "omniserve/tiny-shapes-sd", "family": "UNetFamily", "size_multiple": 16, "min_steps": 1,
+    "schedulers": ["euler"], "true_cfg": False, "per_sample": True, "cache_threshold": 0.2}}}
 
 
 def generated() -> dict:
@@ -100,8 +100,8 @@ def test_the_edit_image_states_the_sides_it_may_have_and_its_bytes():
 @pytest.mark.parametrize("measured,required", [(0.2, False), (None, True)])
 def test_a_teacache_threshold_is_required_only_where_the_model_has_no_measured_one(measured, required):
     jsonschema = pytest.importorskip("jsonschema")
-    requests = {**DIFFUSION["details"]["requests"], "cache_threshold": measured}
-    cache = served(diffusion={**DIFFUSION, "details": {"requests": requests}})["components"]["schemas"]["StepCache"]
+    capabilities = {**DIFFUSION["details"]["capabilities"], "cache_threshold": measured}
+    cache = served(diffusion={**DIFFUSION, "details": {"capabilities": capabilities}})["components"]["schemas"]["StepCache"]
     valid = jsonschema.Draft202012Validator(cache).is_valid
     assert valid({"method": "teacache"}) is not required
     assert valid({"method": "teacache", "threshold": 0.3}) and not valid({"method": "off", "threshold": 0.3})
@@ -124,7 +124,7 @@ def test_a_405_allows_every_method_of_the_path_options_included():
 
 
 #: The video stage as `describe()` says it: the tiny Wan's size multiple and frame step (its VAE: 4k + 1 frames).
-VIDEO = {"model": "omniserve/tiny-wan-video", "details": {"requests": {"size_multiple": 16, "min_steps": 1,
+VIDEO = {"model": "omniserve/tiny-wan-video", "details": {"capabilities": {"size_multiple": 16, "min_steps": 1,
                                                                        "frame_step": 4}}}
 
 

@@ -154,7 +154,7 @@ def test_the_stage_renders_an_edit_at_the_image_size_and_reproduces_it(stage):
 ], ids=["not-an-image", "wrong-size", "odd-size", "gif", "not-bytes", "no-step-left", "zero-strength", "latents"])
 def test_the_stage_refuses_a_bad_edit_naming_the_field(stage, image, params, param):
     with pytest.raises(InvalidRequestError) as refused:
-        stage.admission.edit("a fox", image, {"seed": 1, **params})
+        stage.admission.job(RenderJob.model_construct(prompt="a fox", image=image, params={"seed": 1, **params}))
     assert refused.value.param == param, refused.value.message
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from contracts import LLMSamplingParams, cpu
 from contracts.config import LLMStageConfig
-from contracts.results import Generation
+from contracts.jobs import final
+from contracts.results import Completion, Generation
 from evidence.llm import batch_orders
 from stages.llm.self_audit import count_differences
 from stages.llm.self_check import NEIGHBOURS
@@ -51,7 +52,7 @@ def test_llm_embedded_build_is_deterministic_across_fresh_cache_roots(tmp_path, 
 
 def test_llm_embedded_build_is_reused_and_an_unmarked_directory_is_never_trusted(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNISERVE_CACHE", str(tmp_path))
-    target = embedded.model_dir(embedded.TINY)
+    target = embedded.TINY.directory()
     target.mkdir(parents=True)
     (target / "config.json").write_text("half-written")
     built = embedded.ensure_tiny_llama()
@@ -356,7 +357,7 @@ def test_llm_requests_on_an_engine_that_is_not_started_are_refused():
     with pytest.raises(RuntimeError, match="not started"):
         asyncio.run(requests.enhance("a cat", {"seed": 1}))
     with pytest.raises(RuntimeError, match="not started"):
-        asyncio.run(requests.chat([{"role": "user", "content": "hi"}], {"seed": 1}))
+        asyncio.run(final(requests.chat([{"role": "user", "content": "hi"}], {"seed": 1}), Completion))
 
 
 # --- audit helpers --------------------------------------------------------------------------

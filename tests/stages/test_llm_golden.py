@@ -22,9 +22,7 @@ from contracts.scope import (
     Coverage,
     GoldenColumn,
     ScopeRecord,
-    compare_golden,
     load_golden,
-    match,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +32,7 @@ SCRIPT = """
 import asyncio, json, sys, time
 from pathlib import Path
 from contracts.config import LLMStageConfig
-from contracts.scope import load_golden, write_golden
+from contracts.scope import load_golden
 import stages.llm.self_check as golden
 from evidence.golden import llm_golden_column
 import stages.llm.stage as stage_module
@@ -75,7 +73,7 @@ async def main():
         out["runs"] = runs
         column = await llm_golden_column(engine, configuration)
         out["column"] = column.model_dump(mode="json")
-        write_golden(column, TABLE)
+        column.write_into(TABLE)
         started = time.monotonic()  # what a replica runs at start-up once its column exists
         check = await golden.llm_self_check(engine, configuration)
         engine.scope = llm_scope(engine, self_check=check, configuration=configuration)
@@ -133,9 +131,9 @@ def test_the_column_is_keyed_by_the_kernel_path_and_the_self_check_verifies_or_n
     assert replica["self_check"] == {"path": ",".join(mine.hardware), "total": 8, "differing": []}
 
     digests = replica["runs"][0]
-    assert compare_golden(mine, digests, [column]).verified
+    assert mine.compare_golden(digests, [column]).verified
     altered = {**digests, "seeded co-batched target": "0" * 64}
-    check = compare_golden(mine, altered, [column])
+    check = mine.compare_golden(altered, [column])
     assert not check.verified and check.differing == ["seeded co-batched target"]
     assert "differing: seeded co-batched target" in check.reason
 
@@ -156,15 +154,15 @@ def test_a_record_of_the_replicas_path_covers_it_with_its_self_check_and_a_diffe
     record = audit_record(configuration, range(1, bound + 1))
     column = GoldenColumn.model_validate(replica["column"])
 
-    check = compare_golden(configuration, replica["runs"][0], [column])
-    verdict = match(configuration, [record], batch_size=bound, self_check=check)
+    check = configuration.compare_golden(replica["runs"][0], [column])
+    verdict = configuration.match([record], batch_size=bound, self_check=check)
     assert verdict.verified and verdict.record == record.name and "self-check reproduced 8 of 8" in verdict.by
-    differing = compare_golden(configuration, {**replica["runs"][0], "greedy solo": "0" * 64}, [column])
-    refused = match(configuration, [record], batch_size=bound, self_check=differing)
+    differing = configuration.compare_golden({**replica["runs"][0], "greedy solo": "0" * 64}, [column])
+    refused = configuration.match([record], batch_size=bound, self_check=differing)
     assert not refused.verified and "differing: greedy solo" in refused.differences[-1]
     other_path = audit_record(configuration.model_copy(update={"hardware": ["path:other", "aten:OTHER"]}),
                               range(1, bound + 1))
-    elsewhere = match(configuration, [other_path], batch_size=bound, self_check=check)
+    elsewhere = configuration.match([other_path], batch_size=bound, self_check=check)
     assert not elsewhere.verified and any(d.startswith("hardware ") for d in elsewhere.differences)
 
 

@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 
 from contracts.config import LLMStageConfig
 from stages.embedded import embedded_models
+from contracts.jobs import final
+from contracts.results import Completion
 from contracts.sampling import LLMSamplingParams
 from stages.llm.engine import LLMEngine
 from stages.llm.lora import LlmLoraNotFoundError
@@ -78,7 +80,7 @@ def run(invariant: bool, lora_dir, body):
 
 async def chat(requests, prompt: str, lora: str | None):
     params = LLMSamplingParams(temperature=0.0, max_tokens=12, logprobs=3, seed=7, lora=lora)
-    result = await requests.chat([{"role": "user", "content": prompt}], params)
+    result = await final(requests.chat([{"role": "user", "content": prompt}], params), Completion)
     return result.token_ids, result.top_logprobs, result.lora
 
 

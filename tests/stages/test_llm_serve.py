@@ -14,6 +14,7 @@ from ray import serve
 from contracts import SeedContractError
 from contracts.config import LLMStageConfig
 from contracts.errors import InvalidRequestError
+from contracts.jobs import final
 from contracts.results import Completion, RevisedPrompt, StageDescription
 from evidence.llm import TARGETS as AUDIT_TARGETS
 from stages.llm.self_audit import count_differences
@@ -54,7 +55,8 @@ async def under_load(handle, load: list, target):
         ended[key] = time.monotonic()
         return result
 
-    others = [asyncio.ensure_future(timed(i, handle.chat.remote(m, p))) for i, (m, p) in enumerate(load)]
+    chats = handle.options(stream=True)
+    others = [asyncio.ensure_future(timed(i, final(chats.chat.remote(m, p), Completion))) for i, (m, p) in enumerate(load)]
     await asyncio.sleep(0.5)  # the load is running when the target arrives
     mine = await timed("target", handle.enhance.remote(*target))
     await asyncio.gather(*others)
@@ -168,14 +170,14 @@ def test_llm_greedy_enhancement_needs_no_seed_under_invariance(invariant):
 
 def test_llm_chat_returns_text_tokens_logprobs_and_usage(invariant):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "describe a lighthouse"}]
-    result = invariant.chat.remote(messages, {"seed": 7, "max_tokens": 6, "logprobs": 2}).result(timeout_s=120)
+    result = list(invariant.options(stream=True).chat.remote(messages, {"seed": 7, "max_tokens": 6, "logprobs": 2}))[-1]
     assert isinstance(result, Completion)
     assert isinstance(result.text, str) and result.finish_reason in ("length", "stop")
     usage = result.usage
     assert usage.completion_tokens == len(result.token_ids) == len(result.logprobs) <= 6
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert all(len(step) >= 2 for step in result.top_logprobs)
-    again = invariant.chat.remote(messages, {"seed": 7, "max_tokens": 6, "logprobs": 2}).result(timeout_s=120)
+    again = list(invariant.options(stream=True).chat.remote(messages, {"seed": 7, "max_tokens": 6, "logprobs": 2}))[-1]
     assert (again.token_ids, again.logprobs) == (result.token_ids, result.logprobs)
 
 

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from cli.main import _degrees
-from contracts.scope import SHIPPED_RECORDS, load_records, match
+from contracts.scope import SHIPPED_RECORDS, load_records
 from evidence.parallel import DIT_MODELS, grid_name, grids, parse_degrees
 from evidence.record import build_record
 
@@ -82,5 +82,5 @@ def test_the_shipped_parallel_records_match_no_single_worker_replica():
     assert all(r.coverage.batch_sizes == [1] for r in parallel)  # one request per render: nothing co-batched
     for record in parallel:  # the same model, path and everything else, on one worker: not what was audited
         single = record.configuration.model_copy(update={"engine": {"batching": "step"}})
-        verdict = match(single, [record], batch_size=1, size="64x64")
+        verdict = single.match([record], batch_size=1, size="64x64")
         assert not verdict.verified and any("parallel" in difference for difference in verdict.differences)

@@ -11,7 +11,7 @@ import pytest
 
 from contracts.sampling import DiffusionSamplingParams, LoraChoice
 from stages.embedded import DEFAULT_MODELS, embedded_adapters
-from stages.embedded.shapes import caption, drawn_as_said, drawn_twice
+from stages.embedded.shapes import drawn_as_said, drawn_twice
 from stages.embedded.diffusion import ADAPTERS_PATH
 from training.shapes_lora import AdapterPlan, held_out_pairs, train_adapter
 from stages.kernels import disable_batch_invariant_kernels
@@ -39,7 +39,7 @@ def render(renderer, engine, scale: float | None) -> list[np.ndarray]:
     rng = random.Random(0)
     lora = None if scale is None else [LoraChoice(name="twins", scale=scale)]
     samples = [
-        Sample(caption(scene, rng), renderer.resolve(DiffusionSamplingParams(seed=seed, lora=lora), step_engine=True),
+        Sample(scene.caption(rng), renderer.resolve(DiffusionSamplingParams(seed=seed, lora=lora), step_engine=True),
                on_done=None)
         for scene in held_out_pairs(4) for seed in SEEDS
     ]

@@ -24,7 +24,6 @@ from stages.embedded.shapes import (
     WORDS,
     Scene,
     background_phrase,
-    caption,
     centroid,
     colour_share,
     drawn_area,
@@ -151,7 +150,7 @@ def test_a_short_training_run_is_deterministic(tmp_path):
 def test_captions_say_what_the_scene_shows_in_the_rewrites_word_order():
     rng = random.Random(0)
     scene = Scene("ring", "cyan", "red", "small", "top")
-    said = {caption(scene, rng) for _ in range(200)}
+    said = {scene.caption(rng) for _ in range(200)}
     assert "a small cyan ring on a red background, top" in said and "a cyan ring, small, top, on a red background" in said
     assert all(w in c for c in said for w in ("cyan", "ring", "red", "small", "top"))
     assert set(COLOURS) >= {"red", "blue", "green", "yellow", "purple", "orange", "white", "black"} and len(SHAPES) == 5

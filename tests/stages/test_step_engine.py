@@ -234,7 +234,7 @@ def test_samples_of_different_sizes_packed_into_one_call_give_their_solo_bytes(e
 @SCHEDULING
 @pytest.mark.parametrize("engine", ENGINES_ON, indirect=True)  # bookkeeping, not bits: with the kernels on
 def test_the_engine_keeps_nothing_per_request_key(engine):
-    samples = [sample(engine, "keys", i, num_inference_steps=engine.renderer.min_steps, guidance_scale=1.5 + i / 1000) for i in range(64)]
+    samples = [sample(engine, "keys", i, num_inference_steps=engine.renderer.capabilities.min_steps, guidance_scale=1.5 + i / 1000) for i in range(64)]
     engine.render(samples)
     assert engine.load()["waiting"] == 0 and engine.load()["active"] == 0
     assert not [name for name, value in vars(engine).items() if isinstance(value, dict) and value]

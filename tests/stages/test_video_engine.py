@@ -38,7 +38,7 @@ def engine(request):
     # The diffusion stage's own renderer: the kernels before the model, its size rules read off a video pipeline.
     renderer = DiffusionRenderer(DiffusionStageConfig(model=WAN, batch_invariant=request.param, torch_threads=1))
     family = renderer.family
-    assert isinstance(family, WanFamily) and renderer.size_multiple == 16  # VAE 8x, spatial patch 2
+    assert isinstance(family, WanFamily) and renderer.capabilities.size_multiple == 16  # VAE 8x, spatial patch 2
     engine = StepEngine(family, max_batch_size=4, torch_threads=1)
     engine.invariant = request.param
     yield engine

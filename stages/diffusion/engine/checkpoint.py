@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 
-from .sample import Sample
+from stages.diffusers_private import restore_scheduler_state, scheduler_state
 
-#: Scheduler attributes that are its configuration, made again from the model on the replica that resumes.
-_CONFIGURATION = frozenset({"_internal_dict"})
+from .sample import Sample
 
 
 def made_by(configuration: Any, batch_invariant: bool) -> str:
@@ -32,11 +31,6 @@ def made_by(configuration: Any, batch_invariant: bool) -> str:
     weights, dtype, device, kernel path, versions, kernels, threads, batching mode) and its switch. Replicas of one
     identity compute the same bits from one state; a checkpoint of another identity is started anew."""
     return hashlib.sha256(f"{configuration.model_dump_json()} {batch_invariant}".encode()).hexdigest()
-
-
-def scheduler_state(scheduler: Any) -> dict[str, Any]:
-    """The scheduler's mutable state: every attribute but its configuration."""
-    return {name: value for name, value in vars(scheduler).items() if name not in _CONFIGURATION}
 
 
 def export_state(sample: Sample) -> bytes:
@@ -82,7 +76,7 @@ def import_state(sample: Sample, data: bytes) -> None:
     state = torch.load(io.BytesIO(data), weights_only=False)  # its tensors where they were: one deployment's device
     if not 0 < state["step"] < len(sample.timesteps):
         raise ValueError(f"a checkpoint after step {state['step']} of a sample of {len(sample.timesteps)} steps")
-    vars(sample.scheduler).update(state["scheduler"])
+    restore_scheduler_state(sample.scheduler, state["scheduler"])
     sample.generator.set_state(state["generator"])
     sample.step, sample.latents, sample.prediction = state["step"], state["latents"], state["prediction"]
     sample.cache = state["cache"]

@@ -35,9 +35,7 @@ from diffusers import (
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxImg2ImgPipeline,
-    FluxPipeline,
     QwenImageImg2ImgPipeline,
-    QwenImagePipeline,
     StableDiffusion3Img2ImgPipeline,
     StableDiffusionImg2ImgPipeline,
     StableDiffusionXLImg2ImgPipeline,
@@ -46,6 +44,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from contracts.errors import InvalidRequestError
 from contracts.sampling import DiffusionSamplingParams
+from stages.diffusers_private import lend_flux_img2img, lend_qwen_img2img, sdxl_time_ids, unpack_latents
 
 from ..lora import AdapterLibrary, LoraAdapter, RowLora
 from .img2img import prepare_edit
@@ -321,9 +320,7 @@ class SDXLFamily(UNetFamily):
             negative = torch.zeros_like(uncond[i : i + 1]) if blank else uncond[i : i + 1]
             negative_pooled = torch.zeros_like(uncond_pooled[i : i + 1]) if blank else uncond_pooled[i : i + 1]
             height, width = sample.shape
-            time_ids = self.pipe._get_add_time_ids(
-                (height, width), (0, 0), (height, width), dtype=cond.dtype, text_encoder_projection_dim=projection
-            ).to(self.device)
+            time_ids = sdxl_time_ids(self.pipe, (height, width), cond.dtype, projection).to(self.device)
             pick = (lambda a, b: torch.cat([a, b])) if sample.cfg else (lambda a, b: b)
             sample.conditioning = {
                 "encoder_hidden_states": pick(negative, cond[i : i + 1]),
@@ -481,7 +478,7 @@ class PackedFamily(Family):
         return height // side, width // side
 
     def unpack(self, latents: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        return self.pipe._unpack_latents(latents, *shape, self.pipe.vae_scale_factor)
+        return unpack_latents(self.pipe, latents, *shape)
 
 
 class FluxFamily(PackedFamily):
@@ -540,9 +537,7 @@ class FluxFamily(PackedFamily):
         # FluxImg2ImgPipeline.prepare_latents reads more of its pipeline than the VAE and scheduler.
         stand_in.vae_scale_factor = self.pipe.vae_scale_factor
         stand_in.latent_channels = self.pipe.vae.config.latent_channels
-        stand_in._prepare_latent_image_ids = FluxPipeline._prepare_latent_image_ids
-        stand_in._pack_latents = FluxPipeline._pack_latents
-        stand_in._encode_vae_image = functools.partial(FluxImg2ImgPipeline._encode_vae_image, stand_in)
+        lend_flux_img2img(stand_in)
         height, width = sample.shape
         channels = self.denoiser.config.in_channels // 4
         latents, image_ids = FluxImg2ImgPipeline.prepare_latents(
@@ -669,8 +664,7 @@ class QwenImageFamily(PackedFamily):
         # QwenImageImg2ImgPipeline.prepare_latents reads more of its pipeline than the VAE and scheduler.
         stand_in.vae_scale_factor = self.pipe.vae_scale_factor
         stand_in.latent_channels = self.pipe.vae.config.z_dim
-        stand_in._pack_latents = QwenImagePipeline._pack_latents
-        stand_in._encode_vae_image = functools.partial(QwenImageImg2ImgPipeline._encode_vae_image, stand_in)
+        lend_qwen_img2img(stand_in)
         height, width = sample.shape
         channels = self.denoiser.config.in_channels // 4
         return QwenImageImg2ImgPipeline.prepare_latents(

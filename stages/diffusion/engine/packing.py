@@ -25,8 +25,10 @@ import torch
 # From its module: attention_dispatch is where FluxAttnProcessor's own call goes.
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
-from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0, apply_rotary_emb_qwen
+
+from stages.diffusers_private import flux_qkv_projections
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class PackedFluxAttnProcessor(FluxAttnProcessor):
             encoder = cast(torch.Tensor, encoder_hidden_states)
             return super().__call__(attn, hidden_states, encoder, attention_mask, image_rotary_emb)
         # FluxAttnProcessor.__call__, line for line, but for the attention call (per row) and the RoPE table (its own).
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+        query, key, value, encoder_query, encoder_key, encoder_value = flux_qkv_projections(
             attn, hidden_states, encoder_hidden_states
         )
         query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
