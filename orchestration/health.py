@@ -59,6 +59,7 @@ PUBLIC_DETAILS = (
     "vllm_version",
     "startup_s",
     "defaults",
+    "capabilities",  # what the model can render (contracts.capabilities), as admission and the OpenAPI document read it
     "batching",
     "problem",
     "in_flight",

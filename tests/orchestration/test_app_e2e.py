@@ -343,6 +343,18 @@ def test_openapi_documents_request_and_response_schemas(http):
     assert {"b64_json", "seed", "sha256", "revised_prompt"} <= set(schemas["ImageData"]["properties"])
 
 
+def test_the_models_capabilities_are_one_fact_for_health_the_document_and_admission(http):
+    """What the diffusion replica's model can render (contracts.capabilities), computed once at load: /health shows it
+    and the OpenAPI document states it (admission refusing by it: tests/stages/test_model_directory.py)."""
+    capabilities = http.get("/health").json()["stages"]["diffusion"]["describe"]["details"]["capabilities"]
+    assert capabilities["family"] == "UNetFamily" and capabilities["per_sample"] and capabilities["size_multiple"] == 8
+    request = http.get("/openapi.json").json()["components"]["schemas"]["ImageGenerationRequest"]["properties"]
+    size = next(s for s in request["size"].get("anyOf", [request["size"]]) if s.get("format") == "image-size")
+    steps = next(s for s in request["num_inference_steps"]["anyOf"] if s.get("type") == "integer")
+    assert size["x-size-multiple"] == capabilities["size_multiple"] and steps["minimum"] == capabilities["min_steps"]
+    assert request["scheduler"]["anyOf"][0]["enum"] == capabilities["schedulers"]
+
+
 def test_unknown_route_and_wrong_method_are_4xx_in_the_openai_shape(http):
     assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"
     wrong = http.get("/v1/images/generations")
