@@ -57,12 +57,9 @@ from typing import Any
 
 from stages.embedded.llm import (
     BOS,
-    CHAT_TEMPLATE,
-    EOS,
-    PAD,
     REWRITER_PATH,
-    ROLE_TOKENS,
     TINY,
+    byte_level_tokenizer,
     weights_fingerprint,
 )
 from stages.embedded.shapes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, with_article
@@ -499,35 +496,10 @@ def corpus_sha256(corpus: list[list[dict[str, str]]]) -> str:
 
 
 def build_tokenizer(corpus: list[list[dict[str, str]]], vocab_size: int):
-    """A byte-level BPE tokenizer (any text encodes) trained on the corpus's messages: its words are whole tokens.
-    Special tokens, their ids, the BOS post-processor and the chat template are `stages.embedded.llm`'s."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=[BOS, EOS, PAD, *ROLE_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((m["content"] for messages in corpus for m in messages), trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=list(ROLE_TOKENS),
-        model_max_length=TINY.max_position_embeddings,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    """The rewriter's tokenizer: byte-level BPE trained on the corpus's messages (its words are whole tokens), with
+    the embedded models' special tokens, BOS post-processor and chat template (`stages.embedded.llm`)."""
+    texts = (m["content"] for messages in corpus for m in messages)
+    return byte_level_tokenizer(texts, vocab_size, TINY.max_position_embeddings)
 
 
 def encode(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:

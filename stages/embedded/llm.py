@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from itertools import product
 from pathlib import Path
@@ -140,34 +141,7 @@ class TinyLlamaSpec:
 
     def tokenizer(self):
         """A byte-level BPE tokenizer (any text encodes) trained on the fixed corpus."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-        from transformers import PreTrainedTokenizerFast
-
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=self.tokenizer_vocab_size,
-            min_frequency=1,
-            special_tokens=[BOS, EOS, PAD, *ROLE_TOKENS],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(_corpus(), trainer=trainer)
-        # Plain prompts get a BOS like Llama's; chat prompts carry it through the template instead.
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
-        )
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token=BOS,
-            eos_token=EOS,
-            pad_token=PAD,
-            additional_special_tokens=list(ROLE_TOKENS),
-            model_max_length=self.max_position_embeddings,
-        )
-        fast.chat_template = CHAT_TEMPLATE
-        return fast
+        return byte_level_tokenizer(_corpus(), self.tokenizer_vocab_size, self.max_position_embeddings)
 
     def llama_config(self, tokenizer):
         """The LlamaConfig of this spec over `tokenizer` (the embedded Llamas, random and trained alike)."""
@@ -253,6 +227,39 @@ def ensure_tiny_llama(spec: TinyLlamaSpec | str = TINY) -> Path:
         return {**asdict(spec), "build_version": BUILD_VERSION, "weights_sha256": weights_fingerprint(directory)}
 
     return build_cached(spec.directory(), build)
+
+
+def byte_level_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int):
+    """A byte-level BPE tokenizer (any text encodes) trained on `texts`, with the embedded models' special tokens,
+    their BOS post-processor and chat template (the random Llamas' and the trained rewriter's alike)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=[BOS, EOS, PAD, *ROLE_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Plain prompts get a BOS like Llama's; chat prompts carry it through the template instead.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS),
+        model_max_length=max_length,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def weights_fingerprint(directory: Path) -> str:
