@@ -23,6 +23,7 @@ from .sampling import (
     Messages,
     Prompt,
 )
+from .seeds import seed_or_picked
 
 P = TypeVar("P", bound=Contract)
 _PROMPT = TypeAdapter(Prompt)
@@ -76,6 +77,13 @@ class DiffusionLimits(BaseModel):
     max_pixels: Annotated[int, Field(ge=64)] = 512 * 512
     # The serving limit on steps (the contract allows up to MAX_INFERENCE_STEPS): refused with a 400 above it.
     max_inference_steps: Annotated[int, Field(ge=1, le=MAX_INFERENCE_STEPS)] = 50
+
+    def admit(self, asked: DiffusionSamplingParams, *, batch_invariant: bool) -> int:
+        """What an image request and a video request share at the ingress: these limits, the seed contract (a missing
+        seed refused under invariance), then the seed: the request's, or one the server picks and reports."""
+        self.check_limits(asked)
+        admit_diffusion_params(asked, batch_invariant=batch_invariant)
+        return seed_or_picked(asked.seed)
 
     def check_limits(self, params: DiffusionSamplingParams) -> None:
         """Refuse what exceeds the limits; fields left to the model's defaults are checked once filled."""

@@ -30,7 +30,7 @@ from typing import Any, cast
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from contracts.admission import admit_diffusion_params, admit_llm_params
+from contracts.admission import admit_llm_params
 from contracts.encoding import ImageFile, ImageOutput, deliver
 from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerationRequest, requested_size
 from contracts.images import admit_image, edit_size
@@ -98,10 +98,8 @@ class ImageResult:
 def admit_images(request: ImageGenerationRequest, config: AppConfig) -> ImagePlan:
     """Apply the serving limits and the seed contract (as sent: a missing seed is refused under invariance)."""
     asked = request.diffusion_params(request.seed)
-    config.diffusion.check_limits(asked)
+    seed = config.diffusion.admit(asked, batch_invariant=config.switches.diffusion)
     config.diffusion.check_request_work(request.count, asked)
-    admit_diffusion_params(asked, batch_invariant=config.switches.diffusion)
-    seed = seed_or_picked(request.seed)
     seeds = seeds_for_request(seed, request.count)
     return ImagePlan(
         prompt=request.prompt,

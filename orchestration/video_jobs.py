@@ -32,13 +32,11 @@ from typing import Any, cast
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from contracts.admission import admit_diffusion_params
 from contracts.config import VideoStageConfig
 from contracts.errors import InvalidRequestError, ModelNotFoundError, NotFoundError, QueueFullError
 from contracts.jobs import RenderJob
 from contracts.results import RenderCheckpoint, RenderedVideo, RenderMoved, RenderProgress, StageDescription
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
-from contracts.seeds import seed_or_picked
 from contracts.videos import Video, VideoCreateRequest, VideoDeleted, VideoError, clip_seconds
 
 from .config import AppConfig
@@ -66,11 +64,9 @@ def admit_video(request: VideoCreateRequest, config: AppConfig) -> VideoPlan:
     """The serving limits and the seed contract (a missing seed is refused under invariance), as for an image."""
     video = cast(VideoStageConfig, config.video)  # admitted only where the app serves videos
     asked = request.diffusion_params(request.seed, video.fps)
-    video.check_limits(asked)
+    seed = video.admit(asked, batch_invariant=bool(video.batch_invariant))
     if asked.num_frames is not None:
         video.check_frames(asked.num_frames)
-    admit_diffusion_params(asked, batch_invariant=bool(video.batch_invariant))
-    seed = seed_or_picked(request.seed)
     return VideoPlan(
         prompt=request.prompt,
         params=asked.model_copy(update={"seed": seed}),
