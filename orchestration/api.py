@@ -257,11 +257,6 @@ async def read_edit(request: Request) -> ImageEditRequest:
     return ImageEditRequest.from_form(fields)
 
 
-async def edit_images(ingress: Ingress, request: Request, timeout_s: float) -> JSONResponse | StreamingResponse:
-    """OpenAI's image edits (image-to-image): the generation path, from the image of a multipart form."""
-    return await images_or_events(ingress, await read_edit(request), timeout_s, request)
-
-
 def no_cache(request: Request) -> bool:
     """Whether the client asks for a result made anew, not one kept (RFC 9111: `Cache-Control: no-cache`, or, without
     a Cache-Control, HTTP/1.0's `Pragma: no-cache`), as it would of any HTTP cache on the way."""
@@ -269,34 +264,6 @@ def no_cache(request: Request) -> bool:
     if asked is None:
         asked = request.headers.get("pragma", "")
     return "no-cache" in (directive.strip().split("=")[0].lower() for directive in asked.split(","))
-
-
-async def images_or_events(
-    ingress: Ingress, request: ImageGenerationRequest, timeout_s: float, http: Request
-) -> JSONResponse | StreamingResponse:
-    """The response writer of every image route: the images whole (inline, or as links to the image store), or
-    (`stream: true`) as server-sent events, from one admitted plan and its items (`Ingress.images`)."""
-    plan, items = await ingress.images(request, fresh=no_cache(http))
-    if not request.stream:
-        done = await plan.results(items)
-        links = None
-        if request.response_format == "url":
-            kept = await ingress.links.keep([r.delivered for r in done])
-            links = [f"{http.base_url}v1/images/{i}" for i in kept]
-        whole = images_response(plan, done, ingress.config.switches, links)
-        return JSONResponse(jsonable_encoder(whole), headers=http_caching(done))
-    kind = STREAM_EVENT_KINDS["edit" if isinstance(request, ImageEditRequest) else "generation"]
-    events = (image_event(plan, kind, index, item) async for index, item in items)
-    return StreamingResponse(
-        server_sent(events, timeout_s), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
-async def stored_image(ingress: Ingress, image_id: str) -> Response:
-    """A file a request with `response_format: "url"` linked to, while the image store keeps it (cacheable as long)."""
-    file, left_s = await ingress.links.get(image_id)
-    headers = {"ETag": f'"{file.sha256}"', "Cache-Control": f"private, max-age={max(0, int(left_s))}"}
-    return Response(file.data, media_type=file.media_type, headers=headers)
 
 
 def _frame(event: str, data: str) -> str:
@@ -325,15 +292,60 @@ async def server_sent(events: AsyncGenerator[Any, None], timeout_s: float, *, ch
         yield "data: [DONE]\n\n"
 
 
-async def chat_answer(ingress: Ingress, request: ChatCompletionRequest, fresh: bool, timeout_s: float) -> Any:
-    """A chat completion whole, or (`stream: true`) as server-sent events once admission has passed."""
-    answer = await ingress.chat(request, fresh=fresh)
-    if not request.stream:
-        return answer
-    chunks = cast(AsyncGenerator[Any, None], answer)  # a streamed request's answer: its chunks
-    return StreamingResponse(
-        server_sent(chunks, timeout_s, chat=True), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+class Answers:
+    """What each route answers, from the ingress's typed results: the HTTP bodies, headers and event streams, within
+    the request time limit, every failure in OpenAI's error shape (`respond`, the only place that happens)."""
+
+    def __init__(self, ingress: Ingress):
+        self.ingress = ingress
+        self.timeout_s = ingress.config.ingress.request_timeout_s
+
+    async def respond(self, work: Awaitable[Any]) -> Any:
+        """Run one route's work under the request time limit; its exception becomes the HTTP error."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await work
+        except Exception as exc:
+            return error_response(http_error(exc))
+
+    def events(self, events: AsyncGenerator[Any, None], *, chat: bool = False) -> StreamingResponse:
+        """A stream's events as server-sent events (`server_sent`)."""
+        frames = server_sent(events, self.timeout_s, chat=chat)
+        return StreamingResponse(frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def images(self, request: ImageGenerationRequest, http: Request) -> JSONResponse | StreamingResponse:
+        """Every image route's answer: the images whole (inline, or as links to the image store), or (`stream: true`)
+        as server-sent events, from one admitted plan and its items (`Ingress.images`)."""
+        ingress = self.ingress
+        plan, items = await ingress.images(request, fresh=no_cache(http))
+        if not request.stream:
+            done = await plan.results(items)
+            links = None
+            if request.response_format == "url":
+                kept = await ingress.links.keep([r.delivered for r in done])
+                links = [f"{http.base_url}v1/images/{i}" for i in kept]
+            whole = images_response(plan, done, ingress.config.switches, links)
+            return JSONResponse(jsonable_encoder(whole), headers=http_caching(done))
+        kind = STREAM_EVENT_KINDS["edit" if isinstance(request, ImageEditRequest) else "generation"]
+        return self.events(image_event(plan, kind, index, item) async for index, item in items)
+
+    async def edit(self, http: Request) -> JSONResponse | StreamingResponse:
+        """OpenAI's image edits (image-to-image): the generation's answer, from the image of a multipart form."""
+        return await self.images(await read_edit(http), http)
+
+    async def stored_image(self, image_id: str) -> Response:
+        """A file a request with `response_format: "url"` linked to, while the image store keeps it (cacheable as
+        long)."""
+        file, left_s = await self.ingress.links.get(image_id)
+        headers = {"ETag": f'"{file.sha256}"', "Cache-Control": f"private, max-age={max(0, int(left_s))}"}
+        return Response(file.data, media_type=file.media_type, headers=headers)
+
+    async def chat(self, request: ChatCompletionRequest, http: Request) -> Any:
+        """A chat completion whole, or (`stream: true`) as server-sent events once admission has passed."""
+        answer = await self.ingress.chat(request, fresh=no_cache(http))
+        if not request.stream:
+            return answer
+        return self.events(cast(AsyncGenerator[Any, None], answer), chat=True)  # a stream's answer: its chunks
 
 
 def _answer_every_request_alike(api: FastAPI, headers: dict[str, Any], drain: Drain) -> None:
@@ -467,36 +479,29 @@ DESCRIPTION = (
 def build_api(ingress: Ingress) -> FastAPI:
     api = FastAPI(title="omniserve", description=DESCRIPTION, **OWN_DOCUMENTS)
     api.router.route_class = BodyCheckedRoute
-    timeout_s = ingress.config.ingress.request_timeout_s
-
-    async def respond(work: Awaitable[Any]) -> Any:
-        """Run one route's work under the request time limit; the only place a route's exception becomes HTTP."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await work
-        except Exception as exc:
-            return error_response(http_error(exc))
+    answers = Answers(ingress)
+    respond = answers.respond
 
     _answer_every_request_alike(api, ingress.switch_headers, ingress.drain)
 
     @api.post("/v1/images/generations", response_model=ImagesResponse, responses={**ERRORS, **STREAMED})
     async def images_generations(body: ImageGenerationRequest, request: Request):
-        return await respond(images_or_events(ingress, body, timeout_s, request))
+        return await respond(answers.images(body, request))
 
     # "img_" in the path, so the POST routes' paths (/v1/images/generations) stay theirs: a GET there is a 405.
     @api.get("/v1/images/img_{token}", responses={**ERRORS, **IMAGE_FILE})
     async def image_file(token: str):
-        return await respond(stored_image(ingress, f"img_{token}"))
+        return await respond(answers.stored_image(f"img_{token}"))
 
     @api.post(
         "/v1/images/edits", response_model=ImagesResponse, responses={**ERRORS, **STREAMED}, openapi_extra=EDIT_BODY
     )
     async def images_edits(request: Request):
-        return await respond(edit_images(ingress, request, timeout_s))
+        return await respond(answers.edit(request))
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **CHAT_STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await respond(chat_answer(ingress, body, no_cache(request), timeout_s))
+        return await respond(answers.chat(body, request))
 
     @api.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models():
