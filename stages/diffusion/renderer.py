@@ -36,8 +36,8 @@ from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_adapters
 @dataclass(frozen=True)
 class BatchKey:
     """Everything that changes tensor shapes or the schedule: only equal keys share a forward. Its parts are the
-    sampling fields marked `batch` (`contracts.sampling.DiffusionSamplingParams.batch_parts`), read as attributes (`key.height`,
-    `key.has_latents`)."""
+    sampling fields marked `batch` (`contracts.sampling.DiffusionSamplingParams.batch_parts`), read as attributes
+    (`key.height`, `key.has_latents`)."""
 
     parts: tuple[tuple[str, Any], ...]
 
@@ -244,7 +244,8 @@ def capabilities(pipe, model: str, family: Family | None, config: DiffusionStage
     patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", 1) or 1
     patch = patch[-1] if isinstance(patch, list | tuple) else patch  # a video DiT's (time, height, width)
     per_sample = config.batching == "step" and family is not None  # the step engine runs (the stage's rule too)
-    denoiser = getattr(pipe, "unet", None) or pipe.transformer
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    takes_latents = denoiser is not None and (family is None or family.takes_latents)
     return ModelCapabilities(
         model=model,
         device=config.device,
@@ -256,7 +257,7 @@ def capabilities(pipe, model: str, family: Family | None, config: DiffusionStage
         min_steps=2 if pipe.scheduler.config.get("shift_terminal") else 1,
         sigmas="sigmas" in inspect.signature(pipe.scheduler.set_timesteps).parameters,
         true_cfg="true_cfg_scale" in inspect.signature(pipe.__call__).parameters,
-        latent_channels=None if family is not None and not family.takes_latents else denoiser.config.in_channels,
+        latent_channels=denoiser.config.in_channels if takes_latents else None,
         vae_factor=vae_factor(pipe),
         schedulers=tuple(sorted(family.SCHEDULERS)) if family is not None else (),
         cache_threshold=family.cache_threshold if family is not None else None,
