@@ -245,7 +245,7 @@ def capabilities(pipe, model: str, family: Family | None, config: DiffusionStage
     patch = patch[-1] if isinstance(patch, list | tuple) else patch  # a video DiT's (time, height, width)
     per_sample = config.batching == "step" and family is not None  # the step engine runs (the stage's rule too)
     denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
-    takes_latents = denoiser is not None and (family is None or family.takes_latents)
+    takes_latents = family is None or family.takes_latents
     return ModelCapabilities(
         model=model,
         device=config.device,
@@ -257,7 +257,7 @@ def capabilities(pipe, model: str, family: Family | None, config: DiffusionStage
         min_steps=2 if pipe.scheduler.config.get("shift_terminal") else 1,
         sigmas="sigmas" in inspect.signature(pipe.scheduler.set_timesteps).parameters,
         true_cfg="true_cfg_scale" in inspect.signature(pipe.__call__).parameters,
-        latent_channels=denoiser.config.in_channels if takes_latents else None,
+        latent_channels=denoiser.config.in_channels if denoiser is not None and takes_latents else None,
         vae_factor=vae_factor(pipe),
         schedulers=tuple(sorted(family.SCHEDULERS)) if family is not None else (),
         cache_threshold=family.cache_threshold if family is not None else None,
