@@ -29,10 +29,12 @@ def runs() -> int:
     return int(os.environ.get("OMNISERVE_FAULT_RUNS", "1"))
 
 
-def kill_when_busy(app_name: str, deployment: str, victim: int, timeout_s: float = 30) -> float:
-    """SIGKILL `victim` once it reports calls in flight (a bounded wait: killed idle, no call would need a retry);
-    the monotonic time of the kill. Asks through a handle, whose router picks the replica: asked until `victim`
-    answers busy."""
+def kill_when_busy(app_name: str, deployment: str, candidates: set[int], timeout_s: float = 30) -> tuple[int, float]:
+    """SIGKILL the first of `candidates` (replica pids) that reports calls in flight; its pid and the monotonic time
+    of the kill. Whichever replica answers busy is the victim: asked through a handle, whose router sends each call to
+    the less loaded replica, so a victim chosen beforehand can go unheard while it is the busier one (seen in the
+    suite: the chosen diffusion replica never answered within 30 s, it was killed after the load and nothing was
+    retried). None answering busy within `timeout_s` fails here: a kill of an idle replica would prove nothing."""
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, app_name=app_name)
@@ -40,10 +42,11 @@ def kill_when_busy(app_name: str, deployment: str, victim: int, timeout_s: float
     while time.monotonic() < deadline:
         details = handle.describe.remote().result(timeout_s=60).details
         in_flight = details["in_flight"] if "in_flight" in details else details["batching"]["in_flight"]  # LLM, diffusion
-        if details["pid"] == victim and in_flight > 0:
-            break
-    os.kill(victim, signal.SIGKILL)
-    return time.monotonic()
+        if details["pid"] in candidates and in_flight > 0:
+            os.kill(details["pid"], signal.SIGKILL)
+            return details["pid"], time.monotonic()
+    raise AssertionError(f"no replica of {deployment} among {sorted(candidates)} reported a call in flight within "
+                         f"{timeout_s:.0f} s of the load")
 
 
 async def image_load(

@@ -141,26 +141,27 @@ def test_killing_one_of_two_llm_replicas_under_load_loses_no_request_and_changes
         wait_until("two LLM replicas", lambda: healthy_with_two_llm_replicas(app), 180)
         pids = replica_pids()
         assert len(pids) == 2, pids
-        victim, survivor = sorted(pids)
-        children = psutil.Process(victim).children(recursive=True)
-        retried_before, killed_at = health(app)[1]["ingress"]["retried_calls"], []
+        children = {pid: psutil.Process(pid).children(recursive=True) for pid in pids}
+        retried_before, killed = health(app)[1]["ingress"]["retried_calls"], []
         under_fault = asyncio.run(
-            load(app, fault=lambda: killed_at.append(replicas.kill_when_busy(NAME, "LLMStage", victim)))  # noqa: B023
+            load(app, fault=lambda: killed.append(replicas.kill_when_busy(NAME, "LLMStage", pids)))  # noqa: B023
         )
+        ((victim, killed_at),) = killed
+        (survivor,) = pids - {victim}
         failed = [(i, r.status_code, r.text[:200]) for i, r in enumerate(under_fault) if r.status_code != 200]
         assert not failed, (run, failed)
         assert [fingerprint(r) for r in under_fault] == reference, run
         retried = health(app)[1]["ingress"]["retried_calls"] - retried_before
         assert retried > 0, f"run {run}: no call was retried: the replica died after the load"
-        load_done = time.monotonic() - killed_at[0]
+        load_done = time.monotonic() - killed_at
         wait_until("two LLM replicas again", lambda: healthy_with_two_llm_replicas(app, avoid=victim), 180)  # noqa: B023
         assert survivor in replica_pids()  # the replica was replaced; the app was not restarted
-        left = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        left = [p.pid for p in children[victim] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         for pid in left:  # what the killed replica started and left behind: reported, then stopped by pid
             os.kill(pid, signal.SIGKILL)
         print(f"\nrun {run}: LLM replica {victim} SIGKILLed under load: {REQUESTS} of {REQUESTS} requests 200 and "
               f"identical, {retried} calls retried; load done {load_done:.1f} s after the kill; healthy with two "
-              f"replicas {time.monotonic() - killed_at[0]:.1f} s after the kill; its child processes left: {left}")
+              f"replicas {time.monotonic() - killed_at:.1f} s after the kill; its child processes left: {left}")
 
 
 def test_engine_core_death_inside_an_llm_replica_is_reported_retried_and_repaired(app, reference):

@@ -61,12 +61,13 @@ def test_killing_one_of_two_diffusion_replicas_under_load_loses_no_request_and_c
     expected = [r.json()["data"][0]["sha256"] for r in reference]
     for run in range(1, replicas.runs() + 1):  # each run kills a replica; the next waits for its replacement
         wait_for_two_replicas(app)
-        victim = sorted(replica_pids())[0]
+        pids, killed = replica_pids(), []
         retried_before = health(app)["ingress"]["retried_calls"]
         started = time.monotonic()
         under_fault = asyncio.run(
-            load(app, during=lambda: replicas.kill_when_busy("replica-loss", "DiffusionStage", victim))  # noqa: B023
+            load(app, during=lambda: killed.append(replicas.kill_when_busy("replica-loss", "DiffusionStage", pids)))  # noqa: B023
         )
+        ((victim, _),) = killed
         failed = [(i, r.status_code, r.text[:200]) for i, r in enumerate(under_fault) if r.status_code != 200]
         assert not failed, (run, failed)
         got = [r.json()["data"][0] for r in under_fault]
