@@ -66,9 +66,9 @@ MODES = ("off", "quick, first start", "quick, second start")
 
 def start(records: Path, mode: str, stage: str) -> dict:
     """One start: the constructor's seconds (timed inside) and the whole process's (imports and exit included). A
-    process that aborts at exit after printing its result still counts, with its exit status kept: a diffusion
-    replica's process sometimes ends in SIGABRT ("terminate called without an active exception") after its step
-    engine stopped, at this commit and before it (92330f9, an earlier stop: 2 of 6 starts)."""
+    process that aborts at exit after printing its result still counts, with its exit status kept (a diffusion
+    start's process ended in SIGABRT, "terminate called without an active exception", until `StepEngine.stop` waited
+    for its thread: docs/invariance/scope.md)."""
     audit = "off" if mode == "off" else "quick"
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-c", START, str(records), audit, stage], capture_output=True, text=True)

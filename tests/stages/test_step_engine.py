@@ -245,3 +245,48 @@ def test_preview_steps_are_evenly_spaced_and_never_the_last_step():
 
     assert preview_steps(8, 3) == (2, 4, 6) and preview_steps(4, 2) == (1, 3) and preview_steps(4, 0) == ()
     assert preview_steps(2, 3) == (1,) and preview_steps(1, 2) == ()  # too few steps: fewer previews
+
+
+#: A process that starts a step engine, stops it and exits; argv[1] "no-wait": the stop does not wait for the thread
+#: (the control: the engine as it was before `stop` waited).
+STOP_THEN_EXIT = """
+import sys
+from contracts.config import DiffusionStageConfig
+from stages.diffusion import DiffusionRenderer
+from stages.diffusion.engine import StepEngine
+
+def start_and_stop():
+    renderer = DiffusionRenderer(DiffusionStageConfig(batch_invariant=False, torch_threads=1))
+    engine = StepEngine(renderer.family, max_batch_size=1, torch_threads=1)
+    if sys.argv[1] == "no-wait":
+        engine._thread.join = lambda timeout=None: None
+    engine.stop()
+
+start_and_stop()  # its last references go here, while the engine's thread may still be ending
+print("stopped")
+"""
+
+
+@SCHEDULING
+def test_a_process_that_stops_its_engine_exits_cleanly_and_the_control_aborts():
+    """`StepEngine.stop` waits for the compute thread: a thread still ending at interpreter exit frees the pipeline
+    during finalization and the process aborts (SIGABRT, "terminate called without an active exception"). Each run is
+    a process of its own; the control (the stop not waiting) shows the check can fail."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def exit_code(mode: str) -> int:
+        return subprocess.run([sys.executable, "-c", STOP_THEN_EXIT, mode], cwd=Path(__file__).resolve().parents[2],
+                              capture_output=True, text=True, timeout=300).returncode
+
+    assert [exit_code("wait") for _ in range(2)] == [0, 0]
+    # The control aborted in 3 of 4 runs here (AMD EPYC): run until it does, at most 6 times.
+    control = []
+    while len(control) < 6 and not any(control):
+        control.append(exit_code("no-wait"))
+    if not any(control):
+        pytest.skip(f"the control (stop not waiting) exited 0 in {len(control)} of {len(control)} runs here: the "
+                    "check cannot be shown to fail on this machine")
+    assert control[-1] == -signal.SIGABRT, control

@@ -90,10 +90,16 @@ class StepEngine:
             self._handing_off = True
             self._wake.notify()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """The compute thread ends after its current step, and the caller waits for it: a thread still ending while
+        the interpreter exits frees the pipeline (it holds the last reference, through its target) during
+        finalization, and the process aborts ("terminate called without an active exception"; 6 of 6 processes of
+        bench/self_audit.py's start before this wait)."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
 
     @property
     def alive(self) -> bool:
