@@ -211,20 +211,22 @@ def adapter_library(config: DiffusionStageConfig, model: str, pipe, family: Fami
     )
 
 
-def step_cache(cache: StepCache, family: Family | None, model: str) -> StepCache:
-    """An active step cache as the step engine (`family`; None: whole-request batching, refused) runs it: a threshold
-    left out is the family's measured one, filled in here so that the image's record says what ran."""
-    if family is None:
-        raise step_engine_only("cache", "step caching is decided per sample", model)
+def step_cache(cache: StepCache, capabilities: ModelCapabilities, step_engine: bool) -> StepCache:
+    """An active step cache as the step engine runs it (whole-request batching refuses it): a threshold left out is
+    the one measured for the model's family (its capabilities), filled in here so that the image's record says what
+    ran."""
+    if not step_engine or capabilities.family is None:
+        raise step_engine_only("cache", "step caching is decided per sample", capabilities.model)
     if cache.threshold is not None:
         return cache
-    if family.cache_threshold is None:
+    if capabilities.cache_threshold is None:
         raise InvalidRequestError(
-            f"no step-caching threshold has been measured for {model}'s family ({type(family).__name__}): give one",
+            f"no step-caching threshold has been measured for {capabilities.model}'s family ({capabilities.family}): "
+            "give one",
             param="cache.threshold",
             code="missing",
         )
-    return cache.model_copy(update={"threshold": family.cache_threshold})
+    return cache.model_copy(update={"threshold": capabilities.cache_threshold})
 
 
 def step_engine_only(param: str, what: str, model: str) -> InvalidRequestError:
@@ -327,7 +329,7 @@ class DiffusionRenderer:
             self.config.check_limits(resolved)
         self.capabilities.check(resolved)
         if resolved.cache is not None and resolved.cache.active:
-            cache = step_cache(resolved.cache, self.family if step_engine else None, self.model)
+            cache = step_cache(resolved.cache, self.capabilities, step_engine)
             resolved = resolved.model_copy(update={"cache": cache})
         if resolved.lora:
             resolved = resolved.model_copy(update={"lora": self._adapters(resolved.lora, step_engine)})

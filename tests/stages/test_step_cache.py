@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from contracts.capabilities import ModelCapabilities
 from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.provenance import ImageRecord, read_record
@@ -139,12 +140,15 @@ def test_teacache_without_a_threshold_runs_its_familys_measured_one_and_records_
 
 
 def test_a_family_without_a_measured_threshold_asks_for_one_naming_cache_threshold():
-    unmeasured = SDXLFamily.__new__(SDXLFamily)  # the class's attributes only: no pipeline needed
+    # An SDXL model's capabilities as its replica computes them (no pipeline needed: the family's measured threshold).
+    unmeasured = ModelCapabilities(model="an-sdxl-model", device="cpu", family="SDXLFamily", per_sample=True,
+                                   cache_threshold=SDXLFamily.cache_threshold)
     with pytest.raises(InvalidRequestError) as refused:
-        step_cache(StepCache(method="teacache"), unmeasured, "an-sdxl-model")
+        step_cache(StepCache(method="teacache"), unmeasured, step_engine=True)
     assert refused.value.param == "cache.threshold" and "give one" in refused.value.message
+    assert "an-sdxl-model" in refused.value.message and "SDXLFamily" in refused.value.message
     given = StepCache(method="teacache", threshold=0.1)
-    assert step_cache(given, unmeasured, "an-sdxl-model") == given
+    assert step_cache(given, unmeasured, step_engine=True) == given
 
 
 def test_whole_request_batching_refuses_step_caching_naming_cache():
