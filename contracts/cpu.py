@@ -64,10 +64,21 @@ def hold_process_to_path() -> dict[str, str]:
     return limits
 
 
+def _held_names() -> set[str]:
+    """Every variable that holds ATen, oneDNN or MKL to some path."""
+    return {name for path in ISA_CPU_FLAGS for name in envs.cpu_isa_limits(path)}
+
+
+def unheld_environment() -> dict[str, str]:
+    """This process's environment for a child held to no kernel path: ATen, oneDNN and MKL at the machine's widest,
+    as stock libraries run here (a benchmark's stock baseline)."""
+    return envs.environment_without(_held_names() | {"OMNISERVE_CPU_ISA"})
+
+
 def path_environment(isa: str, environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` for a child process held to path `isa`: OMNISERVE_CPU_ISA and that path's ATen/oneDNN/MKL levels,
     none of another path's left over (tests and benchmarks run one machine's paths side by side)."""
-    others = {name for path in ISA_CPU_FLAGS for name in envs.cpu_isa_limits(path)}
+    others = _held_names()
     return {k: v for k, v in environ.items() if k not in others} | {
         "OMNISERVE_CPU_ISA": isa,
         **envs.cpu_isa_limits(isa),

@@ -294,3 +294,8 @@ def assign(name: str, value: str | None) -> str | None:
 
 def set_default(name: str, value: str) -> None:
     os.environ.setdefault(name, value)
+
+
+def environment_without(names: set[str]) -> dict[str, str]:
+    """This process's environment less `names`: a child's, where those must not reach it."""
+    return {name: value for name, value in os.environ.items() if name not in names}

@@ -72,3 +72,16 @@ def test_the_packed_weights_bound_is_half_the_memory_the_process_may_use_unless_
     assert envs.memory_bytes() == min(physical, 1 << 30)
     monkeypatch.setattr("builtins.open", cgroup("max\n"))  # no limit: the machine's memory
     assert envs.memory_bytes() <= physical
+
+
+def test_an_unheld_environment_carries_no_paths_variables_and_keeps_the_rest(monkeypatch):
+    from contracts.cpu import unheld_environment
+
+    for name, value in envs.cpu_isa_limits("avx2").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMNISERVE_CPU_ISA", "avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")  # the generic path's
+    monkeypatch.setenv("OMNISERVE_SOMETHING_ELSE", "kept")
+    environ = unheld_environment()
+    held = {*envs.cpu_isa_limits("avx2"), *envs.cpu_isa_limits("generic"), "OMNISERVE_CPU_ISA"}
+    assert not held & set(environ) and environ["OMNISERVE_SOMETHING_ELSE"] == "kept"
