@@ -64,6 +64,7 @@ PUBLIC_DETAILS = (
     "problem",
     "in_flight",
     "requests_in_engine",
+    "parallel",  # a diffusion replica's group: its degrees and workers (pid, node, device, threads, kernels, rows)
 )
 #: An absolute POSIX path (or ~/...) not inside a URL or a relative name; group 1 is its last part.
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])~?/(?:[^\s/'\"`,;:()\[\]{}<>]+/)*([^\s/'\"`,;:()\[\]{}<>]+)")
@@ -217,6 +218,9 @@ class HealthProbe:
         ]  # never wake one scaled to zero
         described = [self.describe_replicas(stage, replicas[stage].get("running")) for stage in asked]
         answers = dict(zip(asked, await asyncio.gather(*described), strict=True))
+        # A describe can wait up to health_timeout_s (a replica busy or dying): the states reported are Serve's as of
+        # the answers, not as of the ask (seen: an answer 13 s late still said "running" after an engine core died).
+        replicas = await asyncio.to_thread(self.replica_counts)
         stages = {
             stage: stage_health(
                 bool(cast(StageConfig, self.config.deployment(stage)).batch_invariant),  # resolved: a bool
