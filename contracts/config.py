@@ -139,6 +139,19 @@ class DiffusionDefaults(
     model's own."""
 
 
+class ParallelDegrees(_Config):
+    """One image across several workers of a replica (`stages.diffusion.group`): `cfg` 2 puts the two branches of
+    classifier-free guidance (each denoiser call's rows, split in order) on two workers; `sp` (sequence parallel) is
+    not served yet. A degree the model cannot take refuses the replica's start, naming the field."""
+
+    cfg: Annotated[int, Field(ge=1, le=2)] = 1
+    sp: Annotated[int, Field(ge=1)] = 1
+
+    @property
+    def workers(self) -> int:
+        return self.cfg * self.sp
+
+
 class DiffusionStageConfig(StageConfig, DiffusionLimits):
     """The diffusion stage; its serving limits (`max_pixels`, `max_inference_steps`) come from DiffusionLimits."""
 
@@ -162,6 +175,8 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
     # The health check fails (and Serve replaces the replica) when one step of the step engine, or one whole
     # batch with request batching, has run longer than this: the compute thread is stuck. Generous for CPUs.
     stuck_after_s: Annotated[float, Field(gt=0)] = 600.0
+    # Workers per replica for one image (CFG parallel); more than one: the replica and its workers are placed together.
+    parallel: ParallelDegrees = Field(default_factory=ParallelDegrees)
 
     # One request's work, images x steps x pixels, at most this (8 images of 512x512 at 50 steps by default);
     # fields a request leaves out count at their configured default, or at the limit when none is configured.
@@ -182,6 +197,19 @@ class DiffusionStageConfig(StageConfig, DiffusionLimits):
                 param="n",
                 code="out_of_range",
             )
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Serve's options; with a parallel group, a placement group of one bundle per worker (the replica's first,
+        its actor options' resources in each), STRICT_PACK: the group is scheduled whole on one node or not at all."""
+        options = super().deployment_options()
+        if self.parallel.workers > 1:
+            actor = self.ray_actor_options
+            bundle = {"CPU": max(float(actor.get("num_cpus", 1)), 0.01)}
+            if actor.get("num_gpus"):
+                bundle["GPU"] = float(actor["num_gpus"])
+            options["placement_group_bundles"] = [bundle] * self.parallel.workers
+            options["placement_group_strategy"] = "STRICT_PACK"
+        return options
 
     @field_validator("defaults", mode="before")
     @classmethod

@@ -153,6 +153,17 @@ class RenderMoved(Result):
     checkpoint: RenderCheckpoint | None = None
 
 
+class GroupMember(Result):
+    """One worker of a diffusion replica's parallel group (`stages.diffusion.group`), as `/health` shows it."""
+
+    pid: int
+    node: str
+    device: str
+    torch_threads: int
+    kernels_installed: bool
+    rows: int  # denoiser rows it has predicted since it started
+
+
 class StageDescription(Provenance):
     """A replica's own view of itself, for /health and /v1/models."""
 

@@ -128,8 +128,9 @@ class StepBatching:
         started = self.engine.step_started
         return 0.0 if started is None else time.monotonic() - started
 
-    def load(self) -> dict[str, int]:
-        return self.engine.load()
+    def load(self) -> dict[str, Any]:
+        """`/health`'s view of the batching: the engine's load, and whether it packs sizes into one call."""
+        return {**self.engine.load(), "packs_sizes": self.engine.pack_sizes}
 
 
 class RequestBatching:
@@ -188,8 +189,15 @@ class RequestBatching:
         started = self._batch_started
         return 0.0 if started is None else time.monotonic() - started
 
-    def load(self) -> dict[str, int]:
-        return {"queues": len(self._queues)}
+    def load(self) -> dict[str, Any]:
+        """`/health`'s view of the batching: its queues, and why it is not the step engine where that was asked for."""
+        load: dict[str, Any] = {"queues": len(self._queues)}
+        if self.config.batching == "step":
+            load["fallback"] = (
+                f"the step engine has no family for {type(self.renderer.pipe).__name__}: whole requests are batched "
+                "(same size, steps and guidance), no previews"
+            )
+        return load
 
 
 def _settle(future: asyncio.Future, result: Any) -> None:

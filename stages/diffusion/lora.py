@@ -28,7 +28,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -145,6 +145,7 @@ class RowLora:
         self.module, self.component = module, component
         self._hooked: dict[str, Any] = {}
         self._runs: list[_Run] = []
+        self.assignment: Sequence[RowAdapters] = ()  # the current call's, per row (a parallel group splits it)
 
     def attach(self, adapter: LoraAdapter) -> None:
         """Hook every layer of this component `adapter` names (once per layer, whatever the adapters); refuse one that
@@ -169,11 +170,12 @@ class RowLora:
     def rows(self, assignment: Sequence[RowAdapters]) -> Iterator[None]:
         """For the calls inside: row i of the denoiser's batch uses `assignment[i]` (empty: no adapter; an adapter at
         scale 0 is none: its row is the base model's, bit for bit)."""
-        self._runs = _runs(assignment)
+        before = self._runs, self.assignment
+        self._runs, self.assignment = _runs(assignment), assignment
         try:
             yield
         finally:
-            self._runs = []
+            self._runs, self.assignment = before  # a group's part of a call nests in the whole call's
 
     def _hook(self, path: str):
         key = f"{self.component}.{path}"
@@ -305,9 +307,55 @@ class AdapterLibrary:
             resolved.append(choice.model_copy(update={"sha256": adapter.sha256}))
         return resolved
 
-    def row_adapters(self, choices: list[LoraChoice] | None) -> RowAdapters:
-        return tuple((self.get(c.name), c.scale) for c in choices or ())
-
     def cached_bytes(self) -> int:
         with self._lock:
             return sum(a.nbytes for _, a in self._cache.values())
+
+
+class FamilyAdapters:
+    """A step-engine family's LoRA adapters per row: the hooks on its denoiser and, where the family encodes in order,
+    on its text encoders; and where a sample's adapters come from (`library`: the renderer sets it)."""
+
+    def __init__(self, pipe, denoiser_name: str, text_encoders: Sequence[str]):
+        self.denoiser_name = denoiser_name
+        self.denoiser = RowLora(getattr(pipe, denoiser_name), denoiser_name)
+        self.text = [RowLora(getattr(pipe, n), n) for n in text_encoders if getattr(pipe, n, None) is not None]
+        self.library: AdapterLibrary | None = None
+
+    def attach(self, samples: Sequence[Any]) -> None:
+        """Joining samples' adapters, hooked where not yet (on the engine thread: never while a call runs)."""
+        for sample in samples:
+            if sample.params.lora:
+                sample.adapters = self.hooked([(choice.name, choice.scale) for choice in sample.params.lora])
+
+    def hooked(self, named: Sequence[tuple[str, float]]) -> RowAdapters:
+        """One row's adapters (name, scale) from the library, each hooked on every component where not yet; a
+        parallel group's worker resolves the rows it is sent the same way."""
+        if not named:
+            return ()
+        assert self.library is not None  # admission refuses adapters where there is none
+        adapters = tuple((self.library.get(name), scale) for name, scale in named)
+        for adapter, _ in adapters:
+            for lora in (self.denoiser, *self.text):
+                lora.attach(adapter)
+        return adapters
+
+    @contextmanager
+    def text_rows(self, samples: Sequence[Any]) -> Iterator[None]:
+        """Each text encoder's rows with their sample's adapters, inside the block."""
+        with ExitStack() as adapted:
+            for lora in self.text:
+                adapted.enter_context(lora.rows([s.adapters for s in samples]))
+            yield
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """Refuse (400) an adapter of components this family does not adapt per row: text encoders, where it does not
+        encode in order. Applying the rest alone would render another image than the adapter's authors meant."""
+        unadapted = adapter.components - {self.denoiser_name, *(lora.component for lora in self.text)}
+        if unadapted:
+            raise InvalidRequestError(
+                f"LoRA adapter {adapter.name!r} adapts {sorted(unadapted)}, which this model's step engine does not "
+                "adapt per request (the denoiser's layers only; the text encoders' too for UNet pipelines)",
+                param="lora",
+                code="unsupported_value",
+            )

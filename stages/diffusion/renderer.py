@@ -302,7 +302,7 @@ class DiffusionRenderer:
         self.defaults = model_defaults(self.pipe, self.model, self.capabilities.size_multiple, config)
         self.loras = adapter_library(config, self.model, self.pipe, self.family)
         if self.family is not None:
-            self.family.library = self.loras
+            self.family.adapters.library = self.loras
         call = inspect.signature(self.pipe.__call__).parameters
         self.prompt_and_size_rewrites = [name for name in ("use_resolution_binning", "clean_caption") if name in call]
 
@@ -349,7 +349,7 @@ class DiffusionRenderer:
             raise step_engine_only("lora", "LoRA adapters are applied per row", self.model)
         resolved = self.loras.resolve(choices)
         for choice in resolved:
-            self.family.check_adapter(self.loras.get(choice.name))
+            self.family.adapters.check(self.loras.get(choice.name))
         return resolved
 
     def request_group(self, job: Job) -> tuple[int, ...]:

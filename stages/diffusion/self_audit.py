@@ -50,18 +50,23 @@ STEPS = {"quick": 2, "full": 4}
 
 
 @contextlib.contextmanager
-def stock_kernels(device: str) -> Iterator[None]:
+def stock_kernels(device: str, group: Any = None) -> Iterator[None]:
     """Stock kernels inside the block (the control), then the state before it: a replica whose kernels are in
-    stays so, one whose kernels are not (the test-only fault) stays without."""
+    stays so, one whose kernels are not (the test-only fault) stays without. A parallel group's workers (`group`)
+    follow the replica."""
     from stages.kernels import current_report, disable_batch_invariant_kernels, enable_batch_invariant_kernels
 
     installed = current_report().installed
     disable_batch_invariant_kernels()
+    if group is not None:
+        group.use_kernels(False)
     try:
         yield
     finally:
         if installed:
             enable_batch_invariant_kernels(device)
+        if group is not None:
+            group.use_kernels(installed)
 
 
 def leave_kernels_out_under_test_fault(batch_invariant: bool) -> None:
@@ -138,9 +143,12 @@ def _differing(a, b) -> int:
     return int((a != b).sum()) if a.shape == b.shape else int(a.size)
 
 
-def self_audit(renderer, engine, configuration: Configuration, *, config, replica: str) -> SelfAudit | None:
+def self_audit(
+    renderer, engine, configuration: Configuration, *, config, replica: str, group: Any = None
+) -> SelfAudit | None:
     """Audit this replica's configuration here, or reuse an earlier start's record of it (nothing rendered); None
-    where there is nothing to audit: invariance off, no step engine (whole-request batching) or `self_audit: off`."""
+    where there is nothing to audit: invariance off, no step engine (whole-request batching) or `self_audit: off`.
+    `group`: the replica's parallel group, whose workers take the control's stock kernels too."""
     if not config.batch_invariant or engine is None or config.self_audit == "off":
         return None
     mode, batch_size = config.self_audit, config.max_batch_size
@@ -151,7 +159,7 @@ def self_audit(renderer, engine, configuration: Configuration, *, config, replic
     started = time.monotonic()
     plan = _Plan(renderer, mode, batch_size)
     runs, _, differing, elements = plan.run(engine)
-    with stock_kernels(renderer.device):
+    with stock_kernels(renderer.device, group):
         control_runs, control_varied, _, _ = plan.run(engine, until_varied=True)
     finding = Finding(runs, differing, elements, control_runs, control_varied)
     coverage = Coverage(

@@ -31,6 +31,7 @@ from stages.scope import diffusion_configuration, diffusion_scope
 from .admission import Admission
 from .batching import Finished, RequestBatching, StepBatching, updates_then_result
 from .engine.checkpoint import made_by
+from .group import start_group
 from .renderer import DiffusionRenderer, Job, check_serves, encode_png
 from .self_audit import self_audit
 from .self_check import diffusion_self_check
@@ -54,6 +55,8 @@ class DiffusionStage:
         self.in_flight = 0
         self.replica = replica_id()
         step = self.renderer.capabilities.per_sample  # the step engine runs where it knows the pipeline
+        # One image across several workers: started before the self-check, which then renders through the group.
+        self.group = start_group(self.renderer, self.config, step)
         self.batching = (StepBatching if step else RequestBatching)(self.renderer, self.config)
         configuration = diffusion_configuration(self.renderer, self.batching.mode)
         identity = made_by(configuration, batch_invariant)  # whose checkpoints it resumes, and what its own say
@@ -66,7 +69,9 @@ class DiffusionStage:
             else None
         )
         # Before traffic (Serve routes to a replica once its constructor returns): prove this configuration here.
-        audit = self_audit(self.renderer, engine, configuration, config=self.config, replica=self.replica)
+        audit = self_audit(
+            self.renderer, engine, configuration, config=self.config, replica=self.replica, group=self.group
+        )
         self.scope = diffusion_scope(self.renderer, self.config, configuration, self_check=check, self_audit=audit)
         self.provenance = self.provenance.model_copy(update=self.scope.provenance())
         record_switch_state("diffusion", batch_invariant, self.renderer.kernels.backend)
@@ -138,14 +143,7 @@ class DiffusionStage:
             "in_flight": self.in_flight,
             **self.batching.load(),
         }
-        if isinstance(self.batching, StepBatching):
-            batching["packs_sizes"] = self.batching.engine.pack_sizes
-        if config.batching == "step" and self.batching.mode != "step":
-            batching["fallback"] = (
-                f"the step engine has no family for {type(self.renderer.pipe).__name__}: whole requests are batched "
-                "(same size, steps and guidance), no previews"
-            )
-        problem = self.problem()
+        problem = await self.problem()
         return StageDescription(
             stage="video" if self.config.serves_video else "diffusion",
             replica=self.replica,
@@ -163,21 +161,24 @@ class DiffusionStage:
                 "capabilities": self.renderer.capabilities.model_dump(mode="json"),
                 "problem": problem,
                 "self_audit": self.scope.self_audit.model_dump() if self.scope.self_audit else None,
+                "parallel": self.group.describe(self.renderer) if self.group else None,
             },
         )
 
-    def problem(self) -> str | None:
+    async def problem(self) -> str | None:
         """Why this replica cannot serve: its compute thread is gone or stuck; None when it can."""
         if not self.batching.alive:
             return "the compute thread is gone"
+        if self.group is not None and (lost := await self.group.check()):  # every worker asked
+            return lost
         busy_s = self.batching.busy_s()
         if busy_s > self.config.stuck_after_s:
             unit = "step" if self.batching.mode == "step" else "batch"
             return f"the compute thread is stuck: one {unit} has run {busy_s:.0f} s (stuck_after_s={self.config.stuck_after_s:g})"
         return None
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Serve calls this every `health_check_period_s`; raising makes it replace the replica."""
-        problem = self.problem()
+        problem = await self.problem()
         if problem is not None:
             raise RuntimeError(problem)

@@ -6,6 +6,7 @@ it anything)."""
 import pytest
 
 from bench.autoscale import CONFIG, NAME, changed, stepped_run, summary
+from tests.reliability.replicas import deployed
 from tests.scope_facts import record_gap
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -13,15 +14,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def autoscaled(serve_instance):
-    from ray import serve
-
-    from orchestration import build_app
-
-    serve.run(build_app(CONFIG), name=NAME, route_prefix=f"/{NAME}")
-    try:
-        yield f"{serve_instance}/{NAME}"
-    finally:
-        serve.delete(NAME)
+    with deployed(serve_instance, NAME, CONFIG) as url:
+        yield url
 
 
 def test_a_stepped_load_scales_the_diffusion_stage_up_and_down_losing_nothing_and_changing_no_byte(autoscaled):

@@ -9,6 +9,7 @@ thread inside one step long enough to call it stuck, the family's denoiser (or t
 engine core, in tests/reliability/test_llm_faults.py.
 """
 
+import asyncio
 import json
 import os
 import subprocess
@@ -179,7 +180,7 @@ def test_diffusion_check_health_fails_while_a_step_runs_past_its_bound_and_when_
     config = DiffusionStageConfig(batch_invariant=True, warm_up=False, batching=batching, stuck_after_s=0.5,
                                   defaults={"num_inference_steps": 2})
     stage = DiffusionStage.func_or_class(config)
-    stage.check_health()
+    asyncio.run(stage.check_health())
     assert_public(stage_health(True, 1, {"running": 1}, [_describe(stage)]).model_dump())
     release = threading.Event()
     if batching == "step":
@@ -194,19 +195,19 @@ def test_diffusion_check_health_fails_while_a_step_runs_past_its_bound_and_when_
     render.start()
     time.sleep(1.0)
     with pytest.raises(RuntimeError, match="stuck"):
-        stage.check_health()
+        asyncio.run(stage.check_health())
     info = _describe(stage)
     assert not info.running and "stuck" in info.details["problem"]
     assert judge(True, 2, TWO_RUNNING, [info])[0] == "degraded"
     release.set()
     render.join(60)
-    stage.check_health()  # the step ended: healthy again
+    asyncio.run(stage.check_health())  # the step ended: healthy again
     if batching == "step":
         stage.batching.engine.stop()
     else:
         stage.batching._compute.shutdown()
     with pytest.raises(RuntimeError, match="gone"):
-        stage.check_health()
+        asyncio.run(stage.check_health())
 
 
 def _params():

@@ -10,17 +10,36 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 from ray._private import state
 
 
-def replica_pids(app_name: str, deployment: str) -> set[int]:
-    """The pids of the deployment's live replica actors (starting ones included: their actor is up)."""
-    class_name = f"ServeReplica:{app_name}:{deployment}"  # ray.serve._private.common.DeploymentID
+@contextmanager
+def deployed(serve_url: str, name: str, config: dict) -> Iterator[str]:
+    """The app built from `config`, running as `name` under `/name` for the block (its URL), deleted after it."""
+    from ray import serve
+
+    from orchestration import build_app
+
+    serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    try:
+        yield f"{serve_url}/{name}"
+    finally:
+        serve.delete(name)
+
+
+def actor_pids(class_name: str) -> set[int]:
+    """The pids of the live actors of `class_name` in this Ray instance (starting ones included: their actor is up)."""
     alive = state.actors(actor_state_name="ALIVE").values()
     return {actor["Pid"] for actor in alive if actor["ActorClassName"] == class_name}
+
+
+def replica_pids(app_name: str, deployment: str) -> set[int]:
+    """The pids of the deployment's live replica actors."""
+    return actor_pids(f"ServeReplica:{app_name}:{deployment}")  # ray.serve._private.common.DeploymentID
 
 
 def runs() -> int:

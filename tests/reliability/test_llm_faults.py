@@ -40,17 +40,8 @@ APP = {
 
 @pytest.fixture(scope="module")
 def app(serve_instance):
-    from ray import serve
-
-    from orchestration import build_app
-
-    started = time.monotonic()
-    serve.run(build_app(APP), name=NAME, route_prefix=f"/{NAME}")
-    print(f"\napp running after {time.monotonic() - started:.1f} s")
-    try:
-        yield f"{serve_instance}/{NAME}"
-    finally:
-        serve.delete(NAME)
+    with replicas.deployed(serve_instance, NAME, APP) as url:
+        yield url
 
 
 def request(i: int) -> tuple[str, dict]:

@@ -30,15 +30,8 @@ APP = {
 
 @pytest.fixture(scope="module")
 def app(serve_instance):
-    from ray import serve
-
-    from orchestration import build_app
-
-    serve.run(build_app(APP), name="replica-loss", route_prefix="/replica-loss")
-    try:
-        yield f"{serve_instance}/replica-loss"
-    finally:
-        serve.delete("replica-loss")
+    with replicas.deployed(serve_instance, "replica-loss", APP) as url:
+        yield url
 
 
 def body(i: int) -> dict:

@@ -139,7 +139,7 @@ def test_a_finding_that_proves_nothing_is_kept_apart_and_not_rendered_again(user
     import stages.diffusion.self_audit
 
     # The control with the kernels left in: it cannot vary, as on a device where stock computes batch-free bits.
-    monkeypatch.setattr(stages.diffusion.self_audit, "stock_kernels", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(stages.diffusion.self_audit, "stock_kernels", lambda device, group=None: contextlib.nullcontext())
     with replica() as first:
         audit = first.scope.self_audit
         assert audit.runs == 3 and not audit.control_varied and audit.record is None and not audit.reused

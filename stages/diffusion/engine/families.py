@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -46,7 +46,7 @@ from contracts.errors import InvalidRequestError
 from contracts.sampling import DiffusionSamplingParams
 from stages.diffusers_private import lend_flux_img2img, lend_qwen_img2img, sdxl_time_ids, unpack_latents
 
-from ..lora import AdapterLibrary, LoraAdapter, RowLora
+from ..lora import FamilyAdapters
 from .img2img import prepare_edit
 from .packing import PackedFluxAttnProcessor, PackedQwenAttnProcessor, PackedRows, PackedStreams, padded
 from .sample import Sample, seeded_generator
@@ -127,6 +127,8 @@ class Family:
     TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
     #: Step caching's threshold where a request gives none (docs/performance.md); None: not measured, a request gives it.
     cache_threshold: float | None = None
+    #: The denoiser call's inputs every row shares (given whole to each worker of a parallel group); the rest are per row.
+    shared_inputs: frozenset[str] = frozenset()
 
     def token_counts(self, prompts: list[str]) -> list[int]:
         """Each prompt's token count as the pipeline encodes it (only families that pad prompts need it)."""
@@ -136,47 +138,23 @@ class Family:
         self.pipe = pipe
         self.denoiser = getattr(pipe, self.denoiser_name)
         self.device = pipe.device
-        # LoRA adapters per row (stages.diffusion.lora): the hooks on the denoiser and, where the family encodes in
-        # order, on the text encoders; and where a sample's adapters come from (the renderer sets it).
-        self.lora = RowLora(self.denoiser, self.denoiser_name)
-        names = self.TEXT_ENCODERS if self.encodes_in_order else ()
-        self.text_loras = [RowLora(getattr(pipe, n), n) for n in names if getattr(pipe, n, None) is not None]
-        self.library: AdapterLibrary | None = None
+        self.adapters = FamilyAdapters(pipe, self.denoiser_name, self.TEXT_ENCODERS if self.encodes_in_order else ())
+        # The denoiser's prediction for a call's rows; a parallel group puts its own here (stages.diffusion.group).
+        self.predict: Callable[..., torch.Tensor] = lambda **inputs: self.denoiser(**inputs, return_dict=False)[0]
 
     def rows(self, sample: Sample) -> int:
         """The sample's rows in a denoiser call: two with classifier-free guidance, else one."""
         return 2 if sample.cfg else 1
 
     def condition(self, samples: list[Sample]) -> None:
-        """Joining samples' adapters, hooked where not yet (on the engine thread: never while a call runs), then
-        `encode`, each text encoder's rows with their sample's adapters."""
-        for sample in samples:
-            if sample.params.lora:
-                assert self.library is not None  # admission refuses adapters where there is none
-                sample.adapters = self.library.row_adapters(sample.params.lora)
-                for adapter, _ in sample.adapters:
-                    for lora in (self.lora, *self.text_loras):
-                        lora.attach(adapter)
-        with ExitStack() as adapted:
-            for lora in self.text_loras:
-                adapted.enter_context(lora.rows([s.adapters for s in samples]))
+        """Joining samples' adapters attached, then `encode`, each text encoder's rows with their sample's adapters."""
+        self.adapters.attach(samples)
+        with self.adapters.text_rows(samples):
             self.encode(samples)
-
-    def check_adapter(self, adapter: LoraAdapter) -> None:
-        """Refuse (400) an adapter of components this family does not adapt per row: text encoders, where it does not
-        encode in order. Applying the rest alone would render another image than the adapter's authors meant."""
-        unadapted = adapter.components - {self.denoiser_name, *(lora.component for lora in self.text_loras)}
-        if unadapted:
-            raise InvalidRequestError(
-                f"LoRA adapter {adapter.name!r} adapts {sorted(unadapted)}, which this model's step engine does not "
-                "adapt per request (the denoiser's layers only; the text encoders' too for UNet pipelines)",
-                param="lora",
-                code="unsupported_value",
-            )
 
     def forward(self, samples: list[Sample]) -> list[torch.Tensor]:
         """`denoise`, each row with its sample's LoRA adapters (none: the base model's rows, untouched)."""
-        with self.lora.rows([s.adapters for s in samples for _ in range(self.rows(s))]):
+        with self.adapters.denoiser.rows([s.adapters for s in samples for _ in range(self.rows(s))]):
             return self.denoise(samples)
 
     @property
@@ -281,9 +259,7 @@ class UNetFamily(Family):
         inputs = [s.scheduler.scale_model_input(_rows(s, s.latents), s.timestep) for s in samples]
         timesteps = [s.timestep.expand(x.shape[0]) for s, x in zip(samples, inputs, strict=True)]
         hidden = torch.cat([s.conditioning["encoder_hidden_states"] for s in samples])
-        output = self.denoiser(
-            torch.cat(inputs), torch.cat(timesteps), encoder_hidden_states=hidden, return_dict=False
-        )[0]
+        output = self.predict(sample=torch.cat(inputs), timestep=torch.cat(timesteps), encoder_hidden_states=hidden)
         return [guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
@@ -332,13 +308,12 @@ class SDXLFamily(UNetFamily):
         inputs = [s.scheduler.scale_model_input(_rows(s, s.latents), s.timestep) for s in samples]
         timesteps = [s.timestep.expand(x.shape[0]) for s, x in zip(samples, inputs, strict=True)]
         joined = {k: torch.cat([s.conditioning[k] for s in samples]) for k in samples[0].conditioning}
-        output = self.denoiser(
-            torch.cat(inputs),
-            torch.cat(timesteps),
+        output = self.predict(
+            sample=torch.cat(inputs),
+            timestep=torch.cat(timesteps),
             encoder_hidden_states=joined["encoder_hidden_states"],
             added_cond_kwargs={"text_embeds": joined["text_embeds"], "time_ids": joined["time_ids"]},
-            return_dict=False,
-        )[0]
+        )
         return [guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
@@ -404,13 +379,12 @@ class DiTFamily(Family):
 
     def denoise(self, samples: list[Sample]) -> list[torch.Tensor]:
         inputs = [_rows(s, s.latents) for s in samples]
-        output = self.denoiser(
+        output = self.predict(
             hidden_states=torch.cat(inputs),
             timestep=torch.cat([s.timestep.expand(x.shape[0]) for s, x in zip(samples, inputs, strict=True)]),
             encoder_hidden_states=torch.cat([s.conditioning["encoder_hidden_states"] for s in samples]),
             pooled_projections=torch.cat([s.conditioning["pooled_projections"] for s in samples]),
-            return_dict=False,
-        )[0]
+        )
         return [guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
@@ -490,6 +464,7 @@ class FluxFamily(PackedFamily):
     # Measured on the tiny FLUX DiT (issue 25, 50 steps, 64x64): 5.50x images/s, every image >= 36.5 dB PSNR (0.3 at 8
     # steps: 35.8 dB; 0.3 at 50 steps not measured). Random weights: a real checkpoint's own threshold may differ.
     cache_threshold: float | None = 0.2
+    shared_inputs = frozenset({"txt_ids", "img_ids"})  # the call's text ids and the longest sample's image ids
     #: FluxPipeline's default T5 sequence length: a different one gives other bits.
     max_sequence_length = 512
 
@@ -570,7 +545,7 @@ class FluxFamily(PackedFamily):
                 lengths=tuple(len(text_ids) + t for t, n in zip(tokens, rows, strict=True) for _ in range(n)),
                 rotary=tuple(table for table, n in zip(tables, rows, strict=True) for _ in range(n)),
             )
-        output = self.denoiser(
+        output = self.predict(
             hidden_states=latents,
             timestep=timestep / 1000,
             guidance=guidance,
@@ -580,8 +555,7 @@ class FluxFamily(PackedFamily):
             # Packed: the longest sample's ids (their RoPE table is unused: each row has its own).
             img_ids=samples[tokens.index(longest)].conditioning["img_ids"],
             joint_attention_kwargs={"packed": packed} if packed else None,
-            return_dict=False,
-        )[0]
+        )
         predictions = []
         for sample, t, prediction in zip(samples, tokens, output.split(rows), strict=True):
             prediction = prediction[:, :t]  # its own tokens: the padding dropped
@@ -691,7 +665,7 @@ class QwenImageFamily(PackedFamily):
                 ),
             )
         longest = rows[images.index(max(images))][0]
-        output = self.denoiser(
+        output = self.predict(
             hidden_states=torch.cat([padded(s.latents, max(images)) for s, _ in rows]),
             # diffusers: the timestep in the latents' dtype, then / 1000.
             timestep=torch.cat([s.timestep.expand(1).to(s.latents.dtype) for s, _ in rows]) / 1000,
@@ -699,8 +673,7 @@ class QwenImageFamily(PackedFamily):
             encoder_hidden_states_mask=None,  # packed: each row attends to its own text; else no row is padded
             img_shapes=[self.image_shape(longest)] * len(rows),
             attention_kwargs={"packed": packed} if packed else None,
-            return_dict=False,
-        )[0]
+        )
         predictions, counts = [], [len(s.conditioning["rows"]) for s in samples]
         for sample, prediction in zip(samples, output.split(counts), strict=True):
             prediction = prediction[:, : sample.latents.shape[1]]  # its own tokens: the padding dropped
@@ -799,12 +772,11 @@ class WanFamily(Family):
 
     def denoise(self, samples: list[Sample]) -> list[torch.Tensor]:
         inputs = [_rows(s, s.latents.to(self.dtype)) for s in samples]
-        output = self.denoiser(
+        output = self.predict(
             hidden_states=torch.cat(inputs),
             timestep=torch.cat([s.timestep.expand(x.shape[0]) for s, x in zip(samples, inputs, strict=True)]),
             encoder_hidden_states=torch.cat([s.conditioning["encoder_hidden_states"] for s in samples]),
-            return_dict=False,
-        )[0]
+        )
         return [guided(s, rows) for s, rows in zip(samples, output.split([x.shape[0] for x in inputs]), strict=False)]
 
     def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
