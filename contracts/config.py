@@ -141,8 +141,9 @@ class DiffusionDefaults(
 
 class ParallelDegrees(_Config):
     """One image across several workers of a replica (`stages.diffusion.group`): `cfg` 2 puts the two branches of
-    classifier-free guidance (each denoiser call's rows, split in order) on two workers; `sp` (sequence parallel) is
-    not served yet. A degree the model cannot take refuses the replica's start, naming the field."""
+    classifier-free guidance (each denoiser call's rows, split in order) on two workers; `sp` (sequence parallel, SD3
+    DiTs) splits each part's image tokens among `sp` workers. A degree the model cannot take refuses the replica's
+    start, naming the field."""
 
     cfg: Annotated[int, Field(ge=1, le=2)] = 1
     sp: Annotated[int, Field(ge=1)] = 1

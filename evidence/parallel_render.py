@@ -4,21 +4,11 @@ renders (issue 27, items 2 and 3).
 CFG parallel (`cfg=2`)       the unconditional and the conditional row of classifier-free guidance on two workers; the
                              two predictions are gathered (all_gather, rank order: [uncond, cond]) and guided by the
                              family's own formula on every worker, so every worker steps the same latents.
-Ulysses sequence parallel    the image tokens in `sp` contiguous runs, one per worker: every token-wise layer (linear,
-(`sp=2`)                     norms, MLP, adaLN modulation) runs on the worker's own tokens; around attention an
-                             all-to-all turns "all heads of my tokens" into "all tokens of my heads", each head attends
-                             whole on one worker, and a second all-to-all turns it back. SD3's joint attention's text
-                             tokens are replicated, not split: every worker runs the whole text stream (the rows one
-                             worker runs), attends its heads over every text key, and gathers the text's attention
-                             output by heads. The patch embedding runs on the whole latent on every worker; the output
-                             projection's tokens are gathered for the unpatchify.
+Ulysses sequence parallel    the image tokens split across workers, an all-to-all around attention, the text tokens
+(`sp=2`)                     replicated: `stages.diffusion.sequence_parallel`, the code a served replica's group runs.
 Both (`cfg=2, sp=2`)         four workers, rank = cfg_rank * sp + sp_rank: SP groups within a branch, CFG groups across.
 
-Why the bits can be the same: with the batch-invariant kernels a row's result does not depend on how many rows share
-the call, and the attention kernel computes each head on its own (measured here: F.scaled_dot_product_attention's
-bits for a head do not follow how many heads or samples share the call, stock kernels), so each worker computes
-exactly the values one worker computes, and the collectives only move them: gloo's all_gather and all_to_all_single,
-never an all_reduce or any sum whose order follows the topology.
+Why the bits can be the same: `stages.diffusion.sequence_parallel`'s docstring (no collective sums anything).
 
 The workers are processes started by torch.multiprocessing (spawn) and joined through a file store in a private
 temporary directory (one machine: no port to pick, nothing listening for the rendezvous). Each loads the same pipeline
@@ -28,14 +18,11 @@ denoiser call split as above; with cfg = sp = 1 the call is the step engine's ow
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import pickle
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from contracts.config import DiffusionStageConfig
 from contracts.cpu import hold_process_to_path
@@ -54,6 +40,7 @@ from stages.diffusion.engine import Sample, StepEngine
 from stages.diffusion.engine.families import DiTFamily, guided
 from stages.diffusion.renderer import DiffusionRenderer
 from stages.diffusion.self_check import image_digest
+from stages.diffusion.sequence_parallel import Collectives, sequence_parallel
 from stages.embedded import EMBEDDED_MODELS
 from stages.embedded.diffusion import tiny_pipeline_path
 from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
@@ -62,137 +49,6 @@ from stages.scope import diffusion_configuration
 #: The degrees rendered and tested: CFG has two branches; SP 2 splits the tiny DiT's 4 heads and its 16 image tokens
 #: at 64x64 evenly (SP 4 would too, untested).
 DEGREES = (1, 2)
-
-
-def _group(ranks: list[int]) -> Any:
-    """A process group over `ranks`; None for one rank (nothing to move). Every rank creates every group, in one order:
-    `new_group` is itself collective."""
-    group = dist.new_group(ranks)
-    return group if len(ranks) > 1 else None
-
-
-class Collectives:
-    """This worker's place in the grid, its two groups, and the bytes it sends to other workers (what it moves)."""
-
-    def __init__(self, rank: int, cfg: int, sp: int):
-        self.rank, self.cfg, self.sp = rank, cfg, sp
-        self.member = rank < cfg * sp  # a grid smaller than the world: the workers past it wait
-        self.cfg_rank, self.sp_rank = divmod(rank, sp) if self.member else (-1, -1)
-        sp_groups = [_group([c * sp + s for s in range(sp)]) for c in range(cfg)]
-        cfg_groups = [_group([c * sp + s for c in range(cfg)]) for s in range(sp)]
-        self.sp_group = sp_groups[self.cfg_rank] if self.member else None
-        self.cfg_group = cfg_groups[self.sp_rank] if self.member else None
-        self.sent = 0
-        self.calls: Counter[str] = Counter()
-
-    def gather(self, tensor: torch.Tensor, group: Any, size: int, dim: int) -> torch.Tensor:
-        """`tensor` of every worker of `group`, concatenated along `dim` in rank order (no arithmetic)."""
-        if size == 1:
-            return tensor
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(size)]
-        dist.all_gather(parts, tensor, group=group)
-        self._count("all_gather", tensor.nbytes * (size - 1))
-        return torch.cat(parts, dim=dim)
-
-    def exchange(self, chunks: torch.Tensor, group: Any) -> torch.Tensor:
-        """All-to-all over dim 0: chunk i goes to the group's worker i; returns (size, ...), chunk j from worker j."""
-        size = chunks.shape[0]
-        chunks = chunks.contiguous()
-        received = torch.empty_like(chunks)
-        dist.all_to_all_single(received, chunks, group=group)
-        self._count("all_to_all", chunks.nbytes * (size - 1) // size)  # its own chunk stays
-        return received
-
-    def _count(self, kind: str, sent: int) -> None:
-        self.sent += sent
-        self.calls[kind] += 1
-
-
-def _normed(norm: Any, rows: torch.Tensor) -> torch.Tensor:
-    return rows if norm is None else norm(rows)
-
-
-class UlyssesJointAttention:
-    """SD3's joint attention (diffusers' JointAttnProcessor2_0: the same layers and attention call) over image tokens
-    split across the sequence-parallel group, text tokens whole on every worker. Head-parallel inside: `heads / sp`
-    heads per worker, each over all N image + T text tokens, as one worker attends them."""
-
-    def __init__(self, comms: Collectives):
-        self.comms = comms
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        comms, size = self.comms, self.comms.sp
-        batch, local, heads = hidden_states.shape[0], hidden_states.shape[1], attn.heads
-        image = torch.stack([attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)])
-        dim = image.shape[-1] // heads
-        image = image.view(3, batch, local, heads, dim).transpose(2, 3)  # (3, B, H, n, d): my n tokens
-        image = torch.stack([_normed(attn.norm_q, image[0]), _normed(attn.norm_k, image[1]), image[2]])
-        # All heads of my tokens -> all tokens of my heads: chunk i (worker i's heads) goes to worker i.
-        chunks = image.reshape(3, batch, size, heads // size, local, dim).permute(2, 0, 1, 3, 4, 5)
-        mine = comms.exchange(chunks, comms.sp_group)  # (whose tokens, 3, B, H/sp, n, d)
-        image = mine.permute(1, 2, 3, 0, 4, 5).reshape(3, batch, heads // size, size * local, dim)
-        text = self._text_heads(attn, encoder_hidden_states, heads, dim)  # (3, B, H/sp, T, d)
-        query, key, value = torch.cat([image, text], dim=3)  # image tokens first, as diffusers joins them
-        attended = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-        # All tokens of my heads -> all heads of my tokens: token run j goes back to worker j.
-        chunks = attended[:, :, : size * local].reshape(batch, heads // size, size, local, dim).permute(2, 0, 1, 3, 4)
-        back = comms.exchange(chunks, comms.sp_group)  # (whose heads, B, H/sp, n, d)
-        hidden_states = back.permute(1, 3, 0, 2, 4).reshape(batch, local, heads * dim).to(query.dtype)
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        if attn.context_pre_only:  # the last block drops its text stream: nothing to gather
-            return hidden_states, None
-        text_out = comms.gather(attended[:, :, size * local :], comms.sp_group, size, dim=1)  # (B, H, T, d)
-        text_out = text_out.transpose(1, 2).reshape(batch, -1, heads * dim).to(query.dtype)
-        return hidden_states, attn.to_add_out(text_out)
-
-    def _text_heads(self, attn, text: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
-        """The text's queries, keys and values, computed whole (the rows one worker computes), of this worker's heads."""
-        batch, length = text.shape[:2]
-        rows = torch.stack([attn.add_q_proj(text), attn.add_k_proj(text), attn.add_v_proj(text)])
-        rows = rows.view(3, batch, length, heads, dim).transpose(2, 3)  # (3, B, H, T, d)
-        rows = torch.stack([_normed(attn.norm_added_q, rows[0]), _normed(attn.norm_added_k, rows[1]), rows[2]])
-        share = heads // self.comms.sp
-        return rows[:, :, self.comms.sp_rank * share : (self.comms.sp_rank + 1) * share]
-
-
-def _own_tokens(comms: Collectives, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-    """The patch embedding's tokens (B, N, D) -> this worker's contiguous run of N / sp."""
-    if output.shape[1] % comms.sp:
-        raise ValueError(f"{output.shape[1]} image tokens do not split evenly over {comms.sp} workers")
-    share = output.shape[1] // comms.sp
-    return output[:, comms.sp_rank * share : (comms.sp_rank + 1) * share]
-
-
-def _all_tokens(comms: Collectives, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-    """The output projection's rows of this worker's tokens -> every token, in order (the unpatchify takes them all)."""
-    return comms.gather(output, comms.sp_group, comms.sp, dim=1)
-
-
-@contextlib.contextmanager
-def sequence_parallel(transformer: Any, comms: Collectives) -> Iterator[None]:
-    """The SD3 transformer on this worker's image tokens (a no-op for sp = 1); its own processors and no hooks after."""
-    if comms.sp == 1:
-        yield
-        return
-    blocks, heads = transformer.transformer_blocks, transformer.config.num_attention_heads
-    if heads % comms.sp or any(block.use_dual_attention for block in blocks):
-        raise ValueError(f"sequence parallel degree {comms.sp}: needs heads ({heads}) divisible and no dual attention")
-    before = [block.attn.processor for block in blocks]
-    processor = UlyssesJointAttention(comms)
-    hooks = [
-        transformer.pos_embed.register_forward_hook(functools.partial(_own_tokens, comms)),
-        transformer.proj_out.register_forward_hook(functools.partial(_all_tokens, comms)),
-    ]
-    for block in blocks:
-        block.attn.set_processor(processor)
-    try:
-        yield
-    finally:
-        for hook in hooks:
-            hook.remove()
-        for block, own in zip(blocks, before, strict=True):
-            block.attn.set_processor(own)
 
 
 def _branch(sample: Sample, row: int) -> Sample:

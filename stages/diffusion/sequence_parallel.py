@@ -1,0 +1,204 @@
+"""Ulysses sequence parallelism for SD3's transformer: one call's image tokens split across workers, the same bits.
+
+The image tokens in `sp` contiguous runs, one per worker: every token-wise layer (linear, norms, MLP, adaLN
+modulation) runs on the worker's own tokens; around attention an all-to-all turns "all heads of my tokens" into "all
+tokens of my heads", each head attends whole on one worker, and a second all-to-all turns it back. SD3's joint
+attention's text tokens are replicated, not split: every worker runs the whole text stream (the rows one worker
+runs), attends its heads over every text key, and gathers the text's attention output by heads. The patch embedding
+runs on the whole latent on every worker; the output projection's tokens are gathered for the unpatchify, so every
+worker of a sequence-parallel group ends the call with the whole prediction.
+
+Why the bits can be the same: with the batch-invariant kernels a row's result does not depend on how many rows share
+the call, and the attention kernel computes each head on its own (F.scaled_dot_product_attention's bits for a head do
+not follow how many heads or samples share the call, measured with stock kernels), so each worker computes exactly
+the values one worker computes, and the collectives only move them: gloo's all_gather and all_to_all_single, never an
+all_reduce or any sum whose order follows the topology.
+
+Served by a replica's parallel group (`stages.diffusion.group`) and rendered by the audit's prototype
+(`evidence/parallel_render.py`); both join the workers into one torch.distributed world first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's workers meet: rank 0's TCP store (host, port), and how long a collective may wait for a peer."""
+
+    host: str
+    port: int
+    world: int
+    timeout_s: float
+
+    def join(self, rank: int, store: Any = None) -> None:
+        """This process as `rank` of the gloo world (returns once every rank joined); rank 0 passes its own store."""
+        timeout = timedelta(seconds=self.timeout_s)
+        if store is None:
+            store = dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=self.world, timeout=timeout)
+
+
+def serve_rendezvous(host: str, world: int, timeout_s: float) -> tuple[Rendezvous, Any]:
+    """Rank 0's store on `host` (a port the system picks), not waiting for the others: the address to send them, and
+    the store (rank 0 joins through it)."""
+    store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return Rendezvous(host, store.port, world, timeout_s), store
+
+
+def _group(ranks: list[int]) -> Any:
+    """A process group over `ranks`; None for one rank (nothing to move). Every rank creates every group, in one order:
+    `new_group` is itself collective."""
+    group = dist.new_group(ranks)
+    return group if len(ranks) > 1 else None
+
+
+class Collectives:
+    """This worker's place in the (cfg, sp) grid (rank = cfg_rank * sp + sp_rank), its two groups, and the bytes it
+    sends to other workers (what it moves)."""
+
+    def __init__(self, rank: int, cfg: int, sp: int):
+        self.rank, self.cfg, self.sp = rank, cfg, sp
+        self.member = rank < cfg * sp  # a grid smaller than the world: the workers past it wait
+        self.cfg_rank, self.sp_rank = divmod(rank, sp) if self.member else (-1, -1)
+        sp_groups = [_group([c * sp + s for s in range(sp)]) for c in range(cfg)]
+        cfg_groups = [_group([c * sp + s for c in range(cfg)]) for s in range(sp)]
+        self.sp_group = sp_groups[self.cfg_rank] if self.member else None
+        self.cfg_group = cfg_groups[self.sp_rank] if self.member else None
+        self.sent = 0
+        self.calls: Counter[str] = Counter()
+
+    def gather(self, tensor: torch.Tensor, group: Any, size: int, dim: int) -> torch.Tensor:
+        """`tensor` of every worker of `group`, concatenated along `dim` in rank order (no arithmetic)."""
+        if size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(parts, tensor, group=group)
+        self._count("all_gather", tensor.nbytes * (size - 1))
+        return torch.cat(parts, dim=dim)
+
+    def exchange(self, chunks: torch.Tensor, group: Any) -> torch.Tensor:
+        """All-to-all over dim 0: chunk i goes to the group's worker i; returns (size, ...), chunk j from worker j."""
+        size = chunks.shape[0]
+        chunks = chunks.contiguous()
+        received = torch.empty_like(chunks)
+        dist.all_to_all_single(received, chunks, group=group)
+        self._count("all_to_all", chunks.nbytes * (size - 1) // size)  # its own chunk stays
+        return received
+
+    def _count(self, kind: str, sent: int) -> None:
+        self.sent += sent
+        self.calls[kind] += 1
+
+    def own_tokens(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        """A hook on the patch embedding: its tokens (B, N, D) -> this worker's contiguous run of N / sp."""
+        if output.shape[1] % self.sp:
+            raise ValueError(f"{output.shape[1]} image tokens do not split evenly over {self.sp} workers")
+        share = output.shape[1] // self.sp
+        return output[:, self.sp_rank * share : (self.sp_rank + 1) * share]
+
+    def all_tokens(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        """A hook on the output projection: the rows of this worker's tokens -> every token, in order (the unpatchify
+        takes them all)."""
+        return self.gather(output, self.sp_group, self.sp, dim=1)
+
+
+def _normed(norm: Any, rows: torch.Tensor) -> torch.Tensor:
+    return rows if norm is None else norm(rows)
+
+
+class UlyssesJointAttention:
+    """SD3's joint attention (diffusers' JointAttnProcessor2_0: the same layers and attention call) over image tokens
+    split across the sequence-parallel group, text tokens whole on every worker. Head-parallel inside: `heads / sp`
+    heads per worker, each over all N image + T text tokens, as one worker attends them."""
+
+    def __init__(self, comms: Collectives):
+        self.comms = comms
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        comms, size = self.comms, self.comms.sp
+        batch, local, heads = hidden_states.shape[0], hidden_states.shape[1], attn.heads
+        image = torch.stack([attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)])
+        dim = image.shape[-1] // heads
+        image = image.view(3, batch, local, heads, dim).transpose(2, 3)  # (3, B, H, n, d): my n tokens
+        image = torch.stack([_normed(attn.norm_q, image[0]), _normed(attn.norm_k, image[1]), image[2]])
+        # All heads of my tokens -> all tokens of my heads: chunk i (worker i's heads) goes to worker i.
+        chunks = image.reshape(3, batch, size, heads // size, local, dim).permute(2, 0, 1, 3, 4, 5)
+        mine = comms.exchange(chunks, comms.sp_group)  # (whose tokens, 3, B, H/sp, n, d)
+        image = mine.permute(1, 2, 3, 0, 4, 5).reshape(3, batch, heads // size, size * local, dim)
+        text = self._text_heads(attn, encoder_hidden_states, heads, dim)  # (3, B, H/sp, T, d)
+        query, key, value = torch.cat([image, text], dim=3)  # image tokens first, as diffusers joins them
+        attended = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+        # All tokens of my heads -> all heads of my tokens: token run j goes back to worker j.
+        chunks = attended[:, :, : size * local].reshape(batch, heads // size, size, local, dim).permute(2, 0, 1, 3, 4)
+        back = comms.exchange(chunks, comms.sp_group)  # (whose heads, B, H/sp, n, d)
+        hidden_states = back.permute(1, 3, 0, 2, 4).reshape(batch, local, heads * dim).to(query.dtype)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        if attn.context_pre_only:  # the last block drops its text stream: nothing to gather
+            return hidden_states, None
+        text_out = comms.gather(attended[:, :, size * local :], comms.sp_group, size, dim=1)  # (B, H, T, d)
+        text_out = text_out.transpose(1, 2).reshape(batch, -1, heads * dim).to(query.dtype)
+        return hidden_states, attn.to_add_out(text_out)
+
+    def _text_heads(self, attn, text: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+        """The text's queries, keys and values, computed whole (the rows one worker computes), of this worker's heads."""
+        batch, length = text.shape[:2]
+        rows = torch.stack([attn.add_q_proj(text), attn.add_k_proj(text), attn.add_v_proj(text)])
+        rows = rows.view(3, batch, length, heads, dim).transpose(2, 3)  # (3, B, H, T, d)
+        rows = torch.stack([_normed(attn.norm_added_q, rows[0]), _normed(attn.norm_added_k, rows[1]), rows[2]])
+        share = heads // self.comms.sp
+        return rows[:, :, self.comms.sp_rank * share : (self.comms.sp_rank + 1) * share]
+
+
+def check(transformer: Any, sp: int) -> None:
+    """Refuse, naming the field, a degree this SD3 transformer cannot be split by: its heads must divide evenly, and
+    no block may have SD3.5's dual attention (its second attention is not split here)."""
+    heads = transformer.config.num_attention_heads
+    if heads % sp or any(block.use_dual_attention for block in transformer.transformer_blocks):
+        raise ValueError(
+            f"parallel.sp={sp}: sequence parallelism needs the transformer's attention heads ({heads}) divisible by it "
+            "and no dual-attention block (SD3.5)"
+        )
+
+
+def splits(transformer: Any, latents: torch.Tensor, sp: int) -> bool:
+    """Whether a call on `latents` (B, C, H, W) splits its image tokens evenly over `sp` workers; one that does not
+    runs whole on one worker of each part (the same bits, without the collectives)."""
+    patch = transformer.config.patch_size
+    return (latents.shape[-2] // patch) * (latents.shape[-1] // patch) % sp == 0
+
+
+@contextlib.contextmanager
+def sequence_parallel(transformer: Any, comms: Collectives) -> Iterator[None]:
+    """The SD3 transformer on this worker's image tokens (a no-op for sp = 1); its own processors and no hooks after."""
+    if comms.sp == 1:
+        yield
+        return
+    check(transformer, comms.sp)
+    blocks = transformer.transformer_blocks
+    before = [block.attn.processor for block in blocks]
+    processor = UlyssesJointAttention(comms)
+    hooks = [
+        transformer.pos_embed.register_forward_hook(comms.own_tokens),
+        transformer.proj_out.register_forward_hook(comms.all_tokens),
+    ]
+    for block in blocks:
+        block.attn.set_processor(processor)
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for block, own in zip(blocks, before, strict=True):
+            block.attn.set_processor(own)
