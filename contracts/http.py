@@ -35,6 +35,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .config import ParallelDegrees
 from .encoding import DEFAULT_COMPRESSION, Compression, ImageOutput, OutputFormat
 from .errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError, invalid_request
 from .images import MAX_IMAGE_BYTES
@@ -438,6 +439,9 @@ class StageInvariance(BaseModel):
     verified: bool | None = None
     verified_by: list[str] = []  # when verified: the record each result's replica matched, and its self-check
     scope_differences: list[str] = []
+    # The workers that rendered the images, where a replica's parallel group did (`diffusion.parallel`); the bytes are
+    # one worker's whatever the grid.
+    parallel: ParallelDegrees | None = None
 
 
 def _absent(value: Any) -> bool:

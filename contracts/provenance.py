@@ -66,10 +66,14 @@ class _Record(BaseModel):
 #: request-batching and a step-batching replica rendered the same pixels, and 12 of 12 PNGs differed in that field
 #: only. Responses and /health carry the verdict.
 ASSESSMENT = frozenset({"verified", "verified_by", "scope_differences"})
+#: And how many workers rendered it (`parallel`): like the batch it ran in, it does not change the pixels (the parallel
+#: group's tests), so in the bytes it would make the same request give other bytes on another replica's grid.
+LEFT_OUT = ASSESSMENT | {"parallel"}
 
 
 class StageRecord(_Record):
-    """What a PNG records of a stage: every `Provenance` field but the verdict (a test keeps the two in step)."""
+    """What a PNG records of a stage: every `Provenance` field but the verdict and the workers (a test keeps the two in
+    step)."""
 
     model: str
     batch_invariant: bool
@@ -77,7 +81,7 @@ class StageRecord(_Record):
 
     @classmethod
     def of(cls, provenance: Provenance) -> StageRecord:
-        return cls.model_validate(provenance.model_dump(exclude=set(ASSESSMENT)))
+        return cls.model_validate(provenance.model_dump(exclude=set(LEFT_OUT)))
 
 
 class ImageOrigin(_Record):

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from .config import ParallelDegrees
 from .sampling import DiffusionSamplingParams, LLMSamplingParams, LoraChoice, image_fields, required_model
 
 #: One position's top logprobs: (token id, logprob), best first.
@@ -31,6 +32,8 @@ class Provenance(Result):
     verified: bool = False
     verified_by: str = ""  # when verified: the audit record, and the self-check where the record's machine was another
     scope_differences: list[str] = []
+    # The workers that rendered it (a replica's parallel group; None: one worker, or not a diffusion result).
+    parallel: ParallelDegrees | None = None
 
 
 class Generation(Result):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from contracts.config import DiffusionStageConfig
+from contracts.config import DiffusionStageConfig, ParallelDegrees
 from contracts.cpu import hold_process_to_path
 from contracts.sampling import DiffusionSamplingParams
 from contracts.scope import Configuration
@@ -40,11 +40,12 @@ from stages.diffusion.engine import Sample, StepEngine
 from stages.diffusion.engine.families import DiTFamily, guided
 from stages.diffusion.renderer import DiffusionRenderer
 from stages.diffusion.self_check import image_digest
-from stages.diffusion.sequence_parallel import Collectives, sequence_parallel
+from stages.diffusion.sequence_parallel import Collectives
+from stages.diffusion.sequence_plans import sequence_parallel
 from stages.embedded import EMBEDDED_MODELS
 from stages.embedded.diffusion import tiny_pipeline_path
 from stages.kernels import disable_batch_invariant_kernels, enable_batch_invariant_kernels
-from stages.scope import diffusion_configuration
+from stages.scope import diffusion_configuration, parallel_engine
 
 #: The degrees rendered and tested: CFG has two branches; SP 2 splits the tiny DiT's 4 heads and its 16 image tokens
 #: at 64x64 evenly (SP 4 would too, untested).
@@ -168,7 +169,7 @@ def _render(renderer: DiffusionRenderer, comms: Collectives, job: ParallelJob, b
     assert isinstance(family, DiTFamily)  # checked by the worker
     sample = Sample(job.prompt, _resolved(renderer, job), on_done=None)
     started = time.perf_counter()
-    with torch.inference_mode(), sequence_parallel(family.denoiser, comms):
+    with torch.inference_mode(), sequence_parallel(family, comms):
         family.condition([sample])  # as the step engine joins a sample: its encoding, then its scheduler and noise
         family.prepare(sample)
         looping, sent, calls = time.perf_counter(), comms.sent, Counter(comms.calls)
@@ -192,12 +193,9 @@ def _render(renderer: DiffusionRenderer, comms: Collectives, job: ParallelJob, b
 
 
 def _configuration(configuration: Configuration, comms: Collectives) -> dict[str, Any]:
-    """The render's configuration as a replica's would be described, its engine naming the grid when there is one:
-    a record of a parallel render matches a replica that renders on that grid, never a single-worker one."""
-    if comms.cfg * comms.sp > 1:
-        engine = {**configuration.engine, "parallel": {"cfg": comms.cfg, "sp": comms.sp}}
-        configuration = configuration.model_copy(update={"engine": engine})
-    return configuration.model_dump(mode="json")
+    """The render's configuration as a replica rendering on the same grid describes its own."""
+    engine = {**configuration.engine, **parallel_engine(ParallelDegrees(cfg=comms.cfg, sp=comms.sp))}
+    return configuration.model_copy(update={"engine": engine}).model_dump(mode="json")
 
 
 def _on_step_engine(renderer: DiffusionRenderer, job: ParallelJob) -> np.ndarray:

@@ -147,6 +147,7 @@ def images_response(
             "diffusion": StageInvariance(
                 batch_invariant=switches.diffusion,
                 kernel_backend=first.image.kernel_backend,
+                parallel=first.image.parallel,
                 **scope([r.image for r in results]),
             ),
         },

@@ -3,7 +3,7 @@ from (as `stages.serve_replica` is for Ray Serve and `stages.kernels.vllm_mode` 
 
 The step engine drives a pipeline's parts one step at a time, so it calls helpers diffusers keeps private to its own
 `__call__`: SDXL's time ids, FLUX's and Qwen-Image's latent packing and image ids, their img2img pipelines' VAE
-encoding (lent to the engine's stand-in pipeline), FLUX's attention projections (the packed attention processor), a
+encoding (lent to the engine's stand-in pipeline), FLUX's and Wan's attention projections (the packed and sequence-parallel attention processors), a
 scheduler's mutable state (a step-boundary checkpoint), and Wan's float32 module list (building the tiny Wan). Each
 was read from diffusers 0.42 (`READ_FROM`). On another diffusers a replica still starts, says so once in its log, and
 its configuration (which names the diffusers version) is unverified until an audit or its self-audit proves it; a
@@ -27,7 +27,7 @@ from diffusers import (
     QwenImagePipeline,
     WanTransformer3DModel,
 )
-from diffusers.models.transformers import transformer_flux
+from diffusers.models.transformers import transformer_flux, transformer_wan
 
 logger = logging.getLogger("ray.serve")
 
@@ -91,6 +91,12 @@ def lend_qwen_img2img(stand_in: Any) -> None:
 def flux_qkv_projections(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None):
     """FLUX attention's query, key and value projections (image, then text), as FluxAttnProcessor computes them."""
     return _private(transformer_flux, "_get_qkv_projections")(attn, hidden_states, encoder_hidden_states)
+
+
+def wan_qkv_projections(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None):
+    """Wan attention's query, key and value projections (keys and values of the text in its cross-attention), as
+    WanAttnProcessor computes them (fused or not)."""
+    return _private(transformer_wan, "_get_qkv_projections")(attn, hidden_states, encoder_hidden_states)
 
 
 def scheduler_state(scheduler: Any) -> dict[str, Any]:

@@ -132,12 +132,13 @@ def diffusion_configuration(renderer, batching: str) -> Configuration:
         versions={"torch": torch.__version__, "diffusers": _version("diffusers")},
         kernels=kernels_digest(),
         torch_threads=renderer.torch_threads or torch.get_num_threads(),
-        engine={"batching": batching, **_parallel(renderer.config.parallel)},
+        engine={"batching": batching, **parallel_engine(renderer.config.parallel)},
     )
 
 
-def _parallel(degrees) -> dict:
-    """A parallel group's degrees, as the parallel audit's records name them (one worker: nothing, as before)."""
+def parallel_engine(degrees) -> dict:
+    """A parallel group's degrees as a configuration's engine names them (one worker: nothing, as before): a record
+    made on a grid matches a replica that renders on that grid, never a single-worker one."""
     return {"parallel": {"cfg": degrees.cfg, "sp": degrees.sp}} if degrees.workers > 1 else {}
 
 

@@ -42,8 +42,7 @@ from contracts.config import DiffusionStageConfig, ParallelDegrees
 from contracts.results import GroupMember
 from stages.kernels import current_report, disable_batch_invariant_kernels, enable_batch_invariant_kernels
 
-from . import sequence_parallel
-from .engine.families import DiTFamily
+from . import sequence_parallel, sequence_plans
 from .renderer import DiffusionRenderer
 from .sequence_parallel import Collectives, Rendezvous
 
@@ -64,12 +63,7 @@ def check_degrees(degrees: ParallelDegrees, family: Any, per_sample: bool) -> No
                 "step engine (batching: request, or a pipeline it has no family for)"
             )
     if degrees.sp > 1:
-        if not isinstance(family, DiTFamily):
-            raise ValueError(
-                f"parallel.sp={degrees.sp}: sequence parallelism is served for SD3 DiTs; {type(family).__name__} "
-                "(FLUX, Qwen-Image, Wan, UNet) splits by parallel.cfg only"
-            )
-        sequence_parallel.check(family.denoiser, degrees.sp)
+        sequence_plans.check(family, degrees.sp)
 
 
 def start_group(renderer: Any, config: DiffusionStageConfig, step_engine: bool) -> DenoiserGroup | None:
@@ -170,7 +164,7 @@ class DenoiserWorker:
         lora = family.adapters
         assignment = [lora.hooked(row) for row in adapters]
         with torch.inference_mode(), lora.denoiser.rows(assignment), tokens_split(family, self.comms, split_tokens):
-            prediction = family.denoiser(**inputs, return_dict=False)[0]
+            prediction = family.call_denoiser(**inputs)
         self.rows += len(prediction)
         return prediction if self.comms is None or self.comms.sp_rank == 0 else None
 
@@ -184,7 +178,7 @@ class DenoiserWorker:
 
 def tokens_split(family: Any, comms: Collectives | None, split: bool) -> Any:
     """The block's denoiser calls on this member's share of the image tokens, where the call splits them."""
-    return sequence_parallel.sequence_parallel(family.denoiser, comms) if comms and split else nullcontext()
+    return sequence_plans.sequence_parallel(family, comms) if comms and split else nullcontext()
 
 
 class DenoiserGroup:
@@ -225,7 +219,7 @@ class DenoiserGroup:
         tokens split among the part's workers where they divide evenly."""
         first_input = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
         rows, shared, sp = len(first_input), family.shared_inputs, self.degrees.sp
-        split = sp > 1 and sequence_parallel.splits(family.denoiser, inputs["hidden_states"], sp)  # SD3's latents
+        split = sp > 1 and sequence_plans.splits(family, inputs, sp)
         lora = family.adapters.denoiser
         named = [[(adapter.name, scale) for adapter, scale in row] for row in lora.assignment]
         parts = row_bounds(rows, self.degrees.cfg)
@@ -238,7 +232,7 @@ class DenoiserGroup:
         (start, stop) = parts[0]
         try:
             with lora.rows(lora.assignment[start:stop]), tokens_split(family, self.comms, split):
-                local = family.denoiser(**call_rows(inputs, start, stop, rows, shared), return_dict=False)[0]
+                local = family.call_denoiser(**call_rows(inputs, start, stop, rows, shared))
         except RuntimeError:
             if split:  # a collective failed: the group is out of step; a worker gone is the cause to report
                 self.lost = "a collective of this replica's parallel group failed"

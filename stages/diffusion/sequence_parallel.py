@@ -20,9 +20,7 @@ Served by a replica's parallel group (`stages.diffusion.group`) and rendered by 
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -101,17 +99,61 @@ class Collectives:
         self.sent += sent
         self.calls[kind] += 1
 
+    def own_run(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This worker's contiguous run of `tensor`'s tokens along `dim` (a sequence, or a RoPE table's positions)."""
+        if tensor.shape[dim] % self.sp:
+            raise ValueError(f"{tensor.shape[dim]} image tokens do not split evenly over {self.sp} workers")
+        share = tensor.shape[dim] // self.sp
+        return tensor.narrow(dim, self.sp_rank * share, share)
+
     def own_tokens(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
         """A hook on the patch embedding: its tokens (B, N, D) -> this worker's contiguous run of N / sp."""
-        if output.shape[1] % self.sp:
-            raise ValueError(f"{output.shape[1]} image tokens do not split evenly over {self.sp} workers")
-        share = output.shape[1] // self.sp
-        return output[:, self.sp_rank * share : (self.sp_rank + 1) * share]
+        return self.own_run(output)
 
     def all_tokens(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
         """A hook on the output projection: the rows of this worker's tokens -> every token, in order (the unpatchify
         takes them all)."""
         return self.gather(output, self.sp_group, self.sp, dim=1)
+
+    def tokens_to_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(B, n, H, D), every head of this worker's n tokens -> (B, sp x n, H / sp, D), every token of its heads."""
+        batch, local, heads, dim = tensor.shape
+        chunks = tensor.reshape(batch, local, self.sp, heads // self.sp, dim).permute(2, 0, 1, 3, 4)
+        received = self.exchange(chunks, self.sp_group)  # (whose tokens, B, n, H/sp, D)
+        return received.permute(1, 0, 2, 3, 4).reshape(batch, self.sp * local, heads // self.sp, dim)
+
+    def heads_to_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The way back: (B, N, H / sp, D), every token of this worker's heads -> (B, N / sp, H, D)."""
+        batch, tokens, share, dim = tensor.shape
+        chunks = tensor.reshape(batch, self.sp, tokens // self.sp, share, dim).permute(1, 0, 2, 3, 4)
+        received = self.exchange(chunks, self.sp_group)  # (whose heads, B, n, H/sp, D)
+        return received.permute(1, 2, 0, 3, 4).reshape(batch, tokens // self.sp, self.sp * share, dim)
+
+    def own_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(B, T, H, D) whole on every worker -> (B, T, H / sp, D), this worker's heads."""
+        share = tensor.shape[2] // self.sp
+        return tensor[:, :, self.sp_rank * share : (self.sp_rank + 1) * share]
+
+    def to_heads(self, tensor: torch.Tensor, whole: int = 0) -> torch.Tensor:
+        """An attention input (B, whole + n, H, D) whose first `whole` tokens are whole on every worker (the text) and
+        the rest this worker's run of the split tokens -> (B, whole + N, H / sp, D): this worker's heads of every
+        token, in one worker's order (a cross-attention's keys, text only, have nothing to exchange)."""
+        parts = [self.own_heads(tensor[:, :whole])]
+        if tensor.shape[1] > whole:
+            parts.append(self.tokens_to_heads(tensor[:, whole:]))
+        return torch.cat(parts, dim=1)
+
+    def qkv_to_heads(self, qkv: tuple[torch.Tensor, ...], whole: int = 0) -> tuple[torch.Tensor, ...]:
+        """`to_heads` of an attention's query, key and value (the same shape) in one exchange, not three."""
+        return self.to_heads(torch.cat(qkv), whole).chunk(len(qkv))
+
+    def to_tokens(self, tensor: torch.Tensor, whole: int = 0) -> torch.Tensor:
+        """The way back for an attention's output (B, whole + N, H / sp, D): the split tokens' rows to their workers,
+        the whole ones' gathered by heads -> (B, whole + n, H, D)."""
+        split = self.heads_to_tokens(tensor[:, whole:])
+        if not whole:
+            return split
+        return torch.cat([self.gather(tensor[:, :whole], self.sp_group, self.sp, dim=2), split], dim=1)
 
 
 def _normed(norm: Any, rows: torch.Tensor) -> torch.Tensor:
@@ -159,46 +201,3 @@ class UlyssesJointAttention:
         rows = torch.stack([_normed(attn.norm_added_q, rows[0]), _normed(attn.norm_added_k, rows[1]), rows[2]])
         share = heads // self.comms.sp
         return rows[:, :, self.comms.sp_rank * share : (self.comms.sp_rank + 1) * share]
-
-
-def check(transformer: Any, sp: int) -> None:
-    """Refuse, naming the field, a degree this SD3 transformer cannot be split by: its heads must divide evenly, and
-    no block may have SD3.5's dual attention (its second attention is not split here)."""
-    heads = transformer.config.num_attention_heads
-    if heads % sp or any(block.use_dual_attention for block in transformer.transformer_blocks):
-        raise ValueError(
-            f"parallel.sp={sp}: sequence parallelism needs the transformer's attention heads ({heads}) divisible by it "
-            "and no dual-attention block (SD3.5)"
-        )
-
-
-def splits(transformer: Any, latents: torch.Tensor, sp: int) -> bool:
-    """Whether a call on `latents` (B, C, H, W) splits its image tokens evenly over `sp` workers; one that does not
-    runs whole on one worker of each part (the same bits, without the collectives)."""
-    patch = transformer.config.patch_size
-    return (latents.shape[-2] // patch) * (latents.shape[-1] // patch) % sp == 0
-
-
-@contextlib.contextmanager
-def sequence_parallel(transformer: Any, comms: Collectives) -> Iterator[None]:
-    """The SD3 transformer on this worker's image tokens (a no-op for sp = 1); its own processors and no hooks after."""
-    if comms.sp == 1:
-        yield
-        return
-    check(transformer, comms.sp)
-    blocks = transformer.transformer_blocks
-    before = [block.attn.processor for block in blocks]
-    processor = UlyssesJointAttention(comms)
-    hooks = [
-        transformer.pos_embed.register_forward_hook(comms.own_tokens),
-        transformer.proj_out.register_forward_hook(comms.all_tokens),
-    ]
-    for block in blocks:
-        block.attn.set_processor(processor)
-    try:
-        yield
-    finally:
-        for hook in hooks:
-            hook.remove()
-        for block, own in zip(blocks, before, strict=True):
-            block.attn.set_processor(own)

@@ -50,7 +50,10 @@ class DiffusionStage:
         check_serves(type(self.renderer.pipe), self.renderer.model, self.config.serves_video)  # embedded ones too
         # What each image's record says of this stage (every Provenance field, so one added there is written too).
         self.provenance = Provenance(
-            model=self.renderer.model, batch_invariant=batch_invariant, kernel_backend=self.renderer.kernels.backend
+            model=self.renderer.model,
+            batch_invariant=batch_invariant,
+            kernel_backend=self.renderer.kernels.backend,
+            parallel=self.config.parallel if self.config.parallel.workers > 1 else None,
         )
         self.in_flight = 0
         self.replica = replica_id()

@@ -8,7 +8,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from contracts.provenance import (
-    ASSESSMENT,
+    LEFT_OUT,
     CHUNKS,
     RECORD_CHUNK,
     ImageOrigin,
@@ -68,11 +68,11 @@ def test_the_same_record_gives_the_same_bytes_and_another_seed_other_bytes():
 
 
 def test_every_provenance_field_but_the_scope_verdict_is_written():
-    # A field added to Provenance must be decided on here: written (StageRecord) or left out (ASSESSMENT).
-    assert set(StageRecord.model_fields) == set(Provenance.model_fields) - ASSESSMENT
+    # A field added to Provenance must be decided on here: written (StageRecord) or left out (LEFT_OUT).
+    assert set(StageRecord.model_fields) == set(Provenance.model_fields) - LEFT_OUT
     record = ImageRecord.of("a fox", PARAMS, DIFFUSION, None)
     written = read_record(png(record)).stages["diffusion"]
-    assert written.model_dump() == DIFFUSION.model_dump(exclude=ASSESSMENT)
+    assert written.model_dump() == DIFFUSION.model_dump(exclude=LEFT_OUT)
 
 
 def test_the_scope_verdict_never_changes_the_bytes():

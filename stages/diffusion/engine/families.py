@@ -140,7 +140,11 @@ class Family:
         self.device = pipe.device
         self.adapters = FamilyAdapters(pipe, self.denoiser_name, self.TEXT_ENCODERS if self.encodes_in_order else ())
         # The denoiser's prediction for a call's rows; a parallel group puts its own here (stages.diffusion.group).
-        self.predict: Callable[..., torch.Tensor] = lambda **inputs: self.denoiser(**inputs, return_dict=False)[0]
+        self.predict: Callable[..., torch.Tensor] = self.call_denoiser
+
+    def call_denoiser(self, **inputs: Any) -> torch.Tensor:
+        """The denoiser's prediction for a call's rows, computed in this process."""
+        return self.denoiser(**inputs, return_dict=False)[0]
 
     def rows(self, sample: Sample) -> int:
         """The sample's rows in a denoiser call: two with classifier-free guidance, else one."""

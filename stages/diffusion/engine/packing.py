@@ -57,19 +57,12 @@ class PackedFluxAttnProcessor(FluxAttnProcessor):
             encoder = cast(torch.Tensor, encoder_hidden_states)
             return super().__call__(attn, hidden_states, encoder, attention_mask, image_rotary_emb)
         # FluxAttnProcessor.__call__, line for line, but for the attention call (per row) and the RoPE table (its own).
-        query, key, value, encoder_query, encoder_key, encoder_value = flux_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-        value = value.unflatten(-1, (-1, attn.head_dim))
-        if attn.added_kv_proj_dim is not None:
-            encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
-            encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
-            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
-            value = torch.cat([encoder_value, value], dim=1)
+        query, key, value = flux_joint_qkv(attn, hidden_states, encoder_hidden_states)
+        out = self._attend_rows(query, key, value, packed)
+        return flux_outputs(attn, out.flatten(2, 3).to(query.dtype), encoder_hidden_states)
+
+    def _attend_rows(self, query, key, value, packed: PackedRows) -> torch.Tensor:
+        """Each row's attention over its real tokens (B, S, heads, D), rotated by its own table; zeros in the padding."""
         out = torch.zeros_like(query)  # padded rows: zeros, dropped at the end
         for row, (length, rotary) in enumerate(zip(packed.lengths, packed.rotary, strict=True)):
             real = slice(row, row + 1), slice(0, length)
@@ -80,14 +73,38 @@ class PackedFluxAttnProcessor(FluxAttnProcessor):
                 backend=self._attention_backend,
                 parallel_config=self._parallel_config,
             )
-        hidden_states = out.flatten(2, 3).to(query.dtype)
-        if encoder_hidden_states is None:
-            return hidden_states
-        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-            [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
-        )
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
-        return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
+        return out
+
+
+def flux_joint_qkv(attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None):
+    """FluxAttnProcessor's query, key and value (B, S, H, D), normed, not yet rotated: [text, image] in a block with a
+    text stream (double blocks), the joint stream as given in the others (single blocks)."""
+    query, key, value, encoder_query, encoder_key, encoder_value = flux_qkv_projections(
+        attn, hidden_states, encoder_hidden_states
+    )
+    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+    value = value.unflatten(-1, (-1, attn.head_dim))
+    if attn.added_kv_proj_dim is not None:
+        encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
+        encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
+        encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+        query = torch.cat([encoder_query, query], dim=1)
+        key = torch.cat([encoder_key, key], dim=1)
+        value = torch.cat([encoder_value, value], dim=1)
+    return query, key, value
+
+
+def flux_outputs(attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None):
+    """FluxAttnProcessor's ending, from the attention's (B, S, H x D): the image's and the text's projections in a block
+    with a text stream, the joint output as it is in the others."""
+    if encoder_hidden_states is None:
+        return hidden_states
+    encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+        [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+    )
+    hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+    return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
 
 
 @dataclass(frozen=True)
@@ -126,24 +143,19 @@ class PackedQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
             )
         text = cast(torch.Tensor, encoder_hidden_states)
         # QwenDoubleStreamAttnProcessor2_0.__call__, line for line, but for the attention call and RoPE (per row).
-        head_dim = attn.inner_dim // attn.heads
-        image_qkv = [proj(hidden_states).unflatten(-1, (-1, head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v)]
-        text_qkv = [
-            proj(text).unflatten(-1, (-1, head_dim)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-        ]
-        for qkv, norms in ((image_qkv, (attn.norm_q, attn.norm_k)), (text_qkv, (attn.norm_added_q, attn.norm_added_k))):
-            for i, norm in enumerate(norms):
-                if norm is not None:
-                    qkv[i] = norm(qkv[i])
+        image_qkv, text_qkv = qwen_streams_qkv(attn, hidden_states, text)
+        image_out, text_out = self._attend_rows(image_qkv, text_qkv, packed)
+        return qwen_outputs(attn, image_out.flatten(2, 3), text_out.flatten(2, 3))
+
+    def _attend_rows(self, image_qkv: list, text_qkv: list, packed: PackedStreams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's joint attention over its own text and image tokens (B, S, heads, D): the image's and the text's
+        outputs, zeros in the padding."""
         image_out, text_out = torch.zeros_like(image_qkv[0]), torch.zeros_like(text_qkv[0])  # padding: zeros, dropped
         for row, (texts, images, tables) in enumerate(zip(packed.text, packed.image, packed.rotary, strict=True)):
             at = slice(row, row + 1)
             out = self._row_attention([t[at, :texts] for t in text_qkv], [t[at, :images] for t in image_qkv], tables)
             text_out[at, :texts], image_out[at, :images] = out[:, :texts], out[:, texts:]
-        image_attn = attn.to_out[0](image_out.flatten(2, 3).contiguous())
-        if len(attn.to_out) > 1:
-            image_attn = attn.to_out[1](image_attn)  # dropout
-        return image_attn, attn.to_add_out(text_out.flatten(2, 3).contiguous())
+        return image_out, text_out
 
     def _row_attention(self, text: list[torch.Tensor], image: list[torch.Tensor], tables) -> torch.Tensor:
         """One row's joint attention, as its solo call computes it: query and key rotated, each stream by its own
@@ -170,6 +182,29 @@ class PackedQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
             backend=self._attention_backend,
             parallel_config=self._parallel_config,
         ).to(query.dtype)
+
+
+def qwen_streams_qkv(attn, hidden_states: torch.Tensor, text: torch.Tensor) -> tuple[list, list]:
+    """QwenDoubleStreamAttnProcessor2_0's queries, keys and values (B, S, H, D) of each stream (image, text), normed,
+    not yet rotated."""
+    head_dim = attn.inner_dim // attn.heads
+    image_qkv = [proj(hidden_states).unflatten(-1, (-1, head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v)]
+    text_qkv = [
+        proj(text).unflatten(-1, (-1, head_dim)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    ]
+    for qkv, norms in ((image_qkv, (attn.norm_q, attn.norm_k)), (text_qkv, (attn.norm_added_q, attn.norm_added_k))):
+        for i, norm in enumerate(norms):
+            if norm is not None:
+                qkv[i] = norm(qkv[i])
+    return image_qkv, text_qkv
+
+
+def qwen_outputs(attn, image: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """QwenDoubleStreamAttnProcessor2_0's ending, from each stream's attention output (B, S, H x D): its projections."""
+    image_attn = attn.to_out[0](image.contiguous())
+    if len(attn.to_out) > 1:
+        image_attn = attn.to_out[1](image_attn)  # dropout
+    return image_attn, attn.to_add_out(text.contiguous())
 
 
 def _rotated(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
