@@ -54,6 +54,7 @@ SCOPE_SECONDS = {
     "tests/bench/test_app.py": 90,
     "tests/orchestration/test_autoscaling.py": 120,
     "tests/orchestration/test_cluster_path.py": 90,
+    "tests/orchestration/test_parallel_app.py": 400,
     "tests/stages/test_img2img.py": 80,
     "tests/stages/test_parallel_render.py": 60,
     "tests/stages/test_llm.py": 70,
@@ -76,7 +77,11 @@ SCOPE_SECONDS = {
 SMALL_APP_MODULES = ("tests/orchestration/test_schema_fuzz.py", "tests/orchestration/test_rewriter_http.py")
 #: Orchestration modules that use none of the package's apps (their own app, or a Ray of their own): scopes of their
 #: own, so a worker that has the package's apps running is not also given theirs.
-APART_MODULES = ("tests/orchestration/test_cluster_path.py", "tests/orchestration/test_autoscaling.py")
+APART_MODULES = (
+    "tests/orchestration/test_cluster_path.py",
+    "tests/orchestration/test_autoscaling.py",
+    "tests/orchestration/test_parallel_app.py",
+)
 
 
 def pytest_xdist_make_scheduler(config, log):
