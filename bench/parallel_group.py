@@ -9,6 +9,7 @@ through collectives per denoising step (sequence parallel: its all-to-alls and g
 
     .venv/bin/python -m bench.parallel_group --model omniserve/tiny-sd3-dit --steps 8 --rounds 3 \\
         --grids 2x1 --markdown docs/evidence/bench-parallel-group.md
+    .venv/bin/python -m bench.parallel_group --model omniserve/tiny-flux-dit --true-cfg --grids 2x1,1x2,2x2 ...
 """
 
 from __future__ import annotations
@@ -46,11 +47,16 @@ def deploy(model: str, cfg: int, sp: int):
     return serve.run(stage.bind(config), name=name, route_prefix=None)
 
 
-def one_round(handle, steps: int, size: int) -> tuple[float, list[str]]:
+#: A negative prompt and true CFG, for FLUX and Qwen-Image: without them their images have one row, and a CFG group's
+#: second worker has nothing to do.
+TRUE_CFG = {"negative_prompt": "blurry, low quality", "true_cfg_scale": 3.0}
+
+
+def one_round(handle, steps: int, size: int, extra: dict) -> tuple[float, list[str]]:
     """Seconds per image over PROMPTS, one at a time, and their sha256."""
     digests, started = [], time.perf_counter()
     for prompt, seed in PROMPTS:
-        params = DiffusionSamplingParams(seed=seed, num_inference_steps=steps, height=size, width=size)
+        params = DiffusionSamplingParams(seed=seed, num_inference_steps=steps, height=size, width=size, **extra)
         digests.append(
             list(handle.options(stream=True).render.remote(RenderJob(prompt=prompt, params=params)))[-1].sha256
         )
@@ -68,8 +74,10 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--grids", default="2x1", help="CFG x SP degrees beside one worker, e.g. 2x1,1x2,2x2")
+    parser.add_argument("--true-cfg", action="store_true", help="a negative prompt and true_cfg_scale 3 (FLUX, Qwen)")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
+    extra = TRUE_CFG if args.true_cfg else {}
     grids = [(1, 1)] + [cast(tuple[int, int], tuple(map(int, g.split("x")))) for g in args.grids.split(",")]
     seconds: dict[tuple[int, int], list[float]] = {grid: [] for grid in grids}
     digests: dict[tuple[int, int], list[str]] = {}
@@ -79,12 +87,13 @@ def main() -> None:
         for _ in range(args.rounds):
             for grid, handle in handles.items():
                 before = sent_bytes(handle) if grid != (1, 1) else 0
-                per_image, digests[grid] = one_round(handle, args.steps, args.size)
+                per_image, digests[grid] = one_round(handle, args.steps, args.size, extra)
                 seconds[grid].append(per_image)
                 if grid != (1, 1):
                     sent[grid] = (sent_bytes(handle) - before) // (len(PROMPTS) * args.steps)
     lines = [
-        f"# One worker against parallel groups: {args.model}, {args.size}x{args.size}, {args.steps} steps",
+        f"# One worker against parallel groups: {args.model}, {args.size}x{args.size}, {args.steps} steps"
+        + (", true CFG" if args.true_cfg else ""),
         "",
         "| CFG x SP | seconds per image (min / median / max) | / one worker (min / median / max) | same bytes |"
         " replica's collectives per step |",

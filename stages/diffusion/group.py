@@ -10,10 +10,10 @@ co-batching of unlike requests, samples joining and leaving between steps, step 
 in the replica as before; LoRA adapters too: each row's adapters (by name and scale) go with its inputs, and each
 worker hooks them on its own denoiser.
 
-Sequence parallel (`parallel.sp: 2`, SD3 DiTs): the workers of one CFG part get the same rows and split their image
-tokens (`stages.diffusion.sequence_parallel`: all-to-all around attention, the text replicated, every token gathered
-at the end), talking through torch.distributed (gloo, the replica rank 0 and its store's host; the rest join it
-before they load). With both, rank = cfg part * sp + position in the part, as in the audit's prototype. A call whose
+Sequence parallel (`parallel.sp: 2`; SD3, FLUX, Qwen-Image, Wan): the workers of one CFG part get the same rows and
+split their image tokens (`stages.diffusion.sequence_plans`: all-to-all around attention, the text replicated, every
+token gathered at the end), talking through torch.distributed (gloo on CPU, NCCL on CUDA: `backend_for`; the replica
+is rank 0 and hosts the store on its node's address; the rest join it before they load). With both, rank = cfg part * sp + position in the part, as in the audit's prototype. A call whose
 image tokens do not split evenly runs whole on the first worker of each part (no collective: the same bits). Each
 part's first worker returns the part's prediction; the others return nothing.
 
@@ -52,6 +52,8 @@ PING_TIMEOUT_S = 10.0
 #: How long a collective waits for a peer: the peers run the same call on the same inputs, so one only waits out the
 #: others' skew (a peer that died fails it at once: gloo sees its connection close).
 COLLECTIVE_TIMEOUT_S = 300.0
+#: The workers' concurrency group for health checks (`DenoiserGroup.check`), beside the one predictions run in.
+HEALTH = "health"
 
 
 def check_degrees(degrees: ParallelDegrees, family: Any, per_sample: bool) -> None:
@@ -72,7 +74,7 @@ def start_group(renderer: Any, config: DiffusionStageConfig, step_engine: bool) 
     check_degrees(config.parallel, renderer.family, step_engine)
     if config.parallel.workers == 1:
         return None
-    group = DenoiserGroup(config)
+    group = DenoiserGroup(config, renderer.device)
     family = renderer.family
     family.predict = functools.partial(group.predict, family)
     return group
@@ -181,21 +183,30 @@ def tokens_split(family: Any, comms: Collectives | None, split: bool) -> Any:
     return sequence_plans.sequence_parallel(family, comms) if comms and split else nullcontext()
 
 
+def remote_worker() -> Any:
+    """DenoiserWorker as a Ray actor class whose health answers run in a thread of their own (`HEALTH`): a prediction
+    of a real model can outlast the ping's timeout, and a worker that answered only between predictions would look
+    dead while it works."""
+    import ray
+
+    return ray.remote(concurrency_groups={HEALTH: 1})(DenoiserWorker)
+
+
 class DenoiserGroup:
     """The replica's side of its group: starts the further workers, splits each denoiser call among them."""
 
-    def __init__(self, config: DiffusionStageConfig):
+    def __init__(self, config: DiffusionStageConfig, device: str):
         import ray
         from ray.util import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.degrees = config.parallel
         placement = get_current_placement_group()  # None outside Serve (a stage built directly): placed anywhere
-        actor = ray.remote(DenoiserWorker)
+        actor = remote_worker()
         resources = {k: config.ray_actor_options[k] for k in ("num_cpus", "num_gpus") if k in config.ray_actor_options}
         rendezvous, store = (
             sequence_parallel.serve_rendezvous(
-                ray.util.get_node_ip_address(), self.degrees.workers, COLLECTIVE_TIMEOUT_S
+                ray.util.get_node_ip_address(), self.degrees.workers, COLLECTIVE_TIMEOUT_S, device
             )
             if self.degrees.sp > 1
             else (None, None)
@@ -262,7 +273,7 @@ class DenoiserGroup:
 
         if self.lost is None:
             try:
-                answers = asyncio.gather(*(w.member.remote() for w in self.workers))
+                answers = asyncio.gather(*(w.member.options(concurrency_group=HEALTH).remote() for w in self.workers))
                 self.members = list(await asyncio.wait_for(answers, PING_TIMEOUT_S))
             except (RayActorError, TimeoutError) as exc:
                 self.lost = f"a worker of this replica's parallel group did not answer ({type(exc).__name__})"

@@ -38,20 +38,28 @@ class Rendezvous:
     port: int
     world: int
     timeout_s: float
+    backend: str = "gloo"
 
     def join(self, rank: int, store: Any = None) -> None:
-        """This process as `rank` of the gloo world (returns once every rank joined); rank 0 passes its own store."""
+        """This process as `rank` of the group's world (returns once every rank joined); rank 0 passes its own store."""
         timeout = timedelta(seconds=self.timeout_s)
         if store is None:
             store = dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=self.world, timeout=timeout)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=self.world, timeout=timeout)
 
 
-def serve_rendezvous(host: str, world: int, timeout_s: float) -> tuple[Rendezvous, Any]:
+def backend_for(device: str) -> str:
+    """The collectives' library for the group's device: gloo on CPU, NCCL on CUDA (each worker its own GPU, which Ray
+    makes its cuda:0). Both move data only: all_gather and all_to_all_single, no reduction. NCCL is written, not run:
+    this project's machines have no GPU yet (docs/gpu.md)."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def serve_rendezvous(host: str, world: int, timeout_s: float, device: str = "cpu") -> tuple[Rendezvous, Any]:
     """Rank 0's store on `host` (a port the system picks), not waiting for the others: the address to send them, and
     the store (rank 0 joins through it)."""
     store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    return Rendezvous(host, store.port, world, timeout_s), store
+    return Rendezvous(host, store.port, world, timeout_s, backend_for(device)), store
 
 
 def _group(ranks: list[int]) -> Any:

@@ -8,6 +8,8 @@ replica's start, naming the field. Real Ray and Serve; each worker is its own pr
 predicted rows (asserted by its count).
 """
 
+import time
+
 import pytest
 from ray import serve
 
@@ -136,6 +138,36 @@ def test_lora_rows_cobatched_on_two_workers_give_one_workers_solo_bytes(serve_in
     assert [r.sha256 for r in grouped] == [r.sha256 for r in solo]
     assert max(r.batch_size for r in grouped) > 1 and all(w["rows"] > 0 for w in workers)
     assert solo[0].sha256 != solo[3].sha256  # the adapter changed the image: it was applied
+
+
+def test_a_worker_busy_predicting_answers_its_health_check(serve_instance):
+    """The group's health check (`member` in the HEALTH concurrency group) is answered while a prediction runs, not
+    after it: with real models a prediction can outlast the ping's timeout."""
+    import ray
+    import torch
+
+    from stages.diffusion.group import HEALTH, remote_worker
+
+    config = DiffusionStageConfig(model=DIT, batch_invariant=True, torch_threads=1, parallel={"cfg": 2}, self_audit="off")
+    worker = remote_worker().options(num_cpus=0.2).remote(config, 1, None)
+    try:
+        ray.get(worker.member.options(concurrency_group=HEALTH).remote(), timeout=120)  # loaded
+        rows = 16  # 16 rows of 512x512 latents (1,024 tokens each): a prediction of a second or more here
+        inputs = {
+            "hidden_states": torch.randn(rows, 16, 64, 64), "timestep": torch.full((rows,), 500.0),
+            "encoder_hidden_states": torch.randn(rows, 77, 64), "pooled_projections": torch.randn(rows, 64),
+        }
+        predicting = worker.predict.remote(inputs, [[] for _ in range(rows)], False)
+        time.sleep(0.2)  # the prediction has started
+        asked = time.monotonic()
+        answer = ray.get(worker.member.options(concurrency_group=HEALTH).remote(), timeout=60)
+        answered_s = time.monotonic() - asked
+        done, _ = ray.wait([predicting], timeout=0)
+        assert not done, "the health check was answered only after the prediction (or it ended too soon to tell)"
+        assert answer.rows == 0 and answered_s < 1.0, answered_s  # answered mid-prediction, promptly
+        assert ray.get(predicting, timeout=300).shape[0] == rows
+    finally:
+        ray.kill(worker)
 
 
 @pytest.mark.parametrize(

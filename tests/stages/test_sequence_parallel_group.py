@@ -8,6 +8,7 @@ import pytest
 
 from contracts.jobs import RenderJob
 from contracts.sampling import DiffusionSamplingParams
+from stages.diffusion.sequence_parallel import backend_for
 
 from .test_parallel_group import DIT, FLUX, QWEN, WAN, jobs, solo_and_grouped
 
@@ -50,3 +51,8 @@ def test_control_switch_off_sequence_parallel_bytes_differ(serve_instance, model
         if any(a.sha256 != b.sha256 for a, b in zip(solo, grouped, strict=True)):
             return
     pytest.fail("stock kernels gave the one worker's bytes for every request at every grid: the check could not fail")
+
+
+def test_the_group_talks_through_gloo_on_cpu_and_nccl_on_cuda():
+    """Which library a group's collectives use, by its device (NCCL is chosen, not run: no GPU here)."""
+    assert [backend_for(d) for d in ("cpu", "cuda", "cuda:0")] == ["gloo", "nccl", "nccl"]
