@@ -39,15 +39,27 @@ def test_sequence_parallel_cobatched_gives_one_workers_solo_bytes(serve_instance
     assert {(r.parallel.cfg, r.parallel.sp) for r in grouped} == {(cfg, sp)} and {r.parallel for r in solo} == {None}
 
 
-@pytest.mark.parametrize("model", [DIT, FLUX])
+def doubled(job: RenderJob) -> RenderJob:
+    """The job at twice its sides: more tokens per call, where a stock GEMM's bits follow its rows more often."""
+    sides = {"height": 2 * job.params.height, "width": 2 * job.params.width}
+    return RenderJob(prompt=job.prompt, params=job.params.model_copy(update=sides))
+
+
+#: The control's jobs: at 64x64 for SD3 and FLUX; twice the sides for Qwen-Image and Wan, whose tiny GEMMs at 64x64
+#: mostly gave the same bits split or whole (their stock controls there differed in 1 of 2 runs).
+CONTROL_JOBS = {
+    DIT: jobs(DIT), FLUX: jobs(FLUX), QWEN: [doubled(j) for j in jobs(QWEN)], WAN: [doubled(j) for j in jobs(WAN)]
+}
+
+
+@pytest.mark.parametrize("model", list(CONTROL_JOBS))
 def test_control_switch_off_sequence_parallel_bytes_differ(serve_instance, model):
     """Stock kernels under the same splits: a row's bits follow how many token rows share its GEMMs, so the check
-    above can fail. Which grid shows it follows the CPU's kernels and which calls meet (on a 2-core Xeon's avx2 path:
-    SD3 at both grids in 2 of 2 runs, FLUX at one grid or both in 2 of 2), so the grids are tried in turn until one
-    differs. Qwen-Image's and Wan's tiny models are not asserted: their stock controls differed in 1 of 2 runs here
-    (at 64x64 their GEMMs mostly give the same bits split or whole; which calls co-batch decides it)."""
+    above can fail for each family's split. Which grid shows it follows the CPU's kernels and which calls meet; on a
+    2-core Xeon's avx2 path, 2 of 2 runs each: SD3 at both grids, FLUX at one or both, Qwen-Image (128x128) at both,
+    Wan (128x128) at 2x2 only. So the grids are tried in turn until one differs."""
     for cfg, sp in ((1, 2), (2, 2)):
-        solo, grouped, _ = solo_and_grouped(model, False, cfg, sp, jobs(model) + [UNEVEN])
+        solo, grouped, _ = solo_and_grouped(model, False, cfg, sp, CONTROL_JOBS[model])
         if any(a.sha256 != b.sha256 for a, b in zip(solo, grouped, strict=True)):
             return
     pytest.fail("stock kernels gave the one worker's bytes for every request at every grid: the check could not fail")
