@@ -13,9 +13,10 @@ worker hooks them on its own denoiser.
 Sequence parallel (`parallel.sp: 2`; SD3, FLUX, Qwen-Image, Wan): the workers of one CFG part get the same rows and
 split their image tokens (`stages.diffusion.sequence_plans`: all-to-all around attention, the text replicated, every
 token gathered at the end), talking through torch.distributed (gloo on CPU, NCCL on CUDA: `backend_for`; the replica
-is rank 0 and hosts the store on its node's address; the rest join it before they load). With both, rank = cfg part * sp + position in the part, as in the audit's prototype. A call whose
-image tokens do not split evenly runs whole on the first worker of each part (no collective: the same bits). Each
-part's first worker returns the part's prediction; the others return nothing.
+is rank 0 and hosts the store on its node's address; the rest join it before they load). With both, rank = cfg part *
+sp + position in the part, as in the audit's prototype. A call whose image tokens do not split evenly runs whole on
+the first worker of each part (no collective: the same bits). Each part's first worker returns the part's prediction;
+the others return nothing.
 
 Start: the stage's constructor starts the workers as Ray actors in its own placement group's further bundles
 (`DiffusionStageConfig.deployment_options`: one bundle per worker, STRICT_PACK, so the group is placed whole on one

@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism for SD3's transformer: one call's image tokens split across workers, the same bits.
+"""Ulysses sequence parallelism: one call's image tokens split across workers, the same bits (the collectives, and
+SD3's attention; the other families' plans: `stages.diffusion.sequence_plans`).
 
 The image tokens in `sp` contiguous runs, one per worker: every token-wise layer (linear, norms, MLP, adaLN
 modulation) runs on the worker's own tokens; around attention an all-to-all turns "all heads of my tokens" into "all
@@ -107,12 +108,12 @@ class Collectives:
         self.sent += sent
         self.calls[kind] += 1
 
-    def own_run(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This worker's contiguous run of `tensor`'s tokens along `dim` (a sequence, or a RoPE table's positions)."""
-        if tensor.shape[dim] % self.sp:
-            raise ValueError(f"{tensor.shape[dim]} image tokens do not split evenly over {self.sp} workers")
-        share = tensor.shape[dim] // self.sp
-        return tensor.narrow(dim, self.sp_rank * share, share)
+    def own_run(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This worker's contiguous run of a sequence's tokens (B, N, ...) -> (B, N / sp, ...)."""
+        if tensor.shape[1] % self.sp:
+            raise ValueError(f"{tensor.shape[1]} image tokens do not split evenly over {self.sp} workers")
+        share = tensor.shape[1] // self.sp
+        return tensor.narrow(1, self.sp_rank * share, share)
 
     def own_tokens(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
         """A hook on the patch embedding: its tokens (B, N, D) -> this worker's contiguous run of N / sp."""
@@ -164,48 +165,40 @@ class Collectives:
         return torch.cat([self.gather(tensor[:, :whole], self.sp_group, self.sp, dim=2), split], dim=1)
 
 
-def _normed(norm: Any, rows: torch.Tensor) -> torch.Tensor:
-    return rows if norm is None else norm(rows)
+def _projected(attn: Any, rows: torch.Tensor, projections: tuple, norms: tuple) -> tuple[torch.Tensor, ...]:
+    """One stream's query, key and value (B, n, H, d) as SD3's processor computes them: projected, the query and key
+    normed by head."""
+    query, key, value = (project(rows).unflatten(2, (attn.heads, -1)) for project in projections)
+    query, key = (x if norm is None else norm(x) for x, norm in zip((query, key), norms, strict=True))
+    return query, key, value
 
 
 class UlyssesJointAttention:
     """SD3's joint attention (diffusers' JointAttnProcessor2_0: the same layers and attention call) over image tokens
     split across the sequence-parallel group, text tokens whole on every worker. Head-parallel inside: `heads / sp`
-    heads per worker, each over all N image + T text tokens, as one worker attends them."""
+    heads per worker, each over all N image + T text tokens (the image first, as diffusers joins them)."""
 
     def __init__(self, comms: Collectives):
         self.comms = comms
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        comms, size = self.comms, self.comms.sp
-        batch, local, heads = hidden_states.shape[0], hidden_states.shape[1], attn.heads
-        image = torch.stack([attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)])
-        dim = image.shape[-1] // heads
-        image = image.view(3, batch, local, heads, dim).transpose(2, 3)  # (3, B, H, n, d): my n tokens
-        image = torch.stack([_normed(attn.norm_q, image[0]), _normed(attn.norm_k, image[1]), image[2]])
-        # All heads of my tokens -> all tokens of my heads: chunk i (worker i's heads) goes to worker i.
-        chunks = image.reshape(3, batch, size, heads // size, local, dim).permute(2, 0, 1, 3, 4, 5)
-        mine = comms.exchange(chunks, comms.sp_group)  # (whose tokens, 3, B, H/sp, n, d)
-        image = mine.permute(1, 2, 3, 0, 4, 5).reshape(3, batch, heads // size, size * local, dim)
-        text = self._text_heads(attn, encoder_hidden_states, heads, dim)  # (3, B, H/sp, T, d)
-        query, key, value = torch.cat([image, text], dim=3)  # image tokens first, as diffusers joins them
-        attended = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-        # All tokens of my heads -> all heads of my tokens: token run j goes back to worker j.
-        chunks = attended[:, :, : size * local].reshape(batch, heads // size, size, local, dim).permute(2, 0, 1, 3, 4)
-        back = comms.exchange(chunks, comms.sp_group)  # (whose heads, B, H/sp, n, d)
-        hidden_states = back.permute(1, 3, 0, 2, 4).reshape(batch, local, heads * dim).to(query.dtype)
+        comms = self.comms
+        image = comms.qkv_to_heads(
+            _projected(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
+        )
+        text = _projected(
+            attn,
+            encoder_hidden_states,
+            (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+            (attn.norm_added_q, attn.norm_added_k),
+        )
+        joined = (torch.cat([i, comms.own_heads(t)], dim=1) for i, t in zip(image, text, strict=True))
+        query, key, value = (x.transpose(1, 2) for x in joined)  # (B, H / sp, N + T, d)
+        attended = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False).transpose(1, 2)
+        tokens = image[0].shape[1]  # every image token of this worker's heads
+        hidden_states = comms.to_tokens(attended[:, :tokens]).flatten(2, 3).to(query.dtype)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
         if attn.context_pre_only:  # the last block drops its text stream: nothing to gather
             return hidden_states, None
-        text_out = comms.gather(attended[:, :, size * local :], comms.sp_group, size, dim=1)  # (B, H, T, d)
-        text_out = text_out.transpose(1, 2).reshape(batch, -1, heads * dim).to(query.dtype)
+        text_out = comms.gather(attended[:, tokens:], comms.sp_group, comms.sp, dim=2).flatten(2, 3).to(query.dtype)
         return hidden_states, attn.to_add_out(text_out)
-
-    def _text_heads(self, attn, text: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
-        """The text's queries, keys and values, computed whole (the rows one worker computes), of this worker's heads."""
-        batch, length = text.shape[:2]
-        rows = torch.stack([attn.add_q_proj(text), attn.add_k_proj(text), attn.add_v_proj(text)])
-        rows = rows.view(3, batch, length, heads, dim).transpose(2, 3)  # (3, B, H, T, d)
-        rows = torch.stack([_normed(attn.norm_added_q, rows[0]), _normed(attn.norm_added_k, rows[1]), rows[2]])
-        share = heads // self.comms.sp
-        return rows[:, :, self.comms.sp_rank * share : (self.comms.sp_rank + 1) * share]

@@ -150,11 +150,11 @@ def _wan_rotated(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """A family's split: `tokens` (the call's image tokens from its inputs, None where it cannot split), `refusal`
+    """A family's split: `tokens` (the call's image tokens, from its inputs; FLUX's and Qwen-Image's padded), `refusal`
     (why a transformer cannot be split by a degree, None where it can) and `install` (hooks and processors for one
     call; the hooks' handles returned, the processors restored by the caller)."""
 
-    tokens: Callable[[Any, dict[str, Any]], int | None]
+    tokens: Callable[[Any, dict[str, Any]], int]
     refusal: Callable[[Any, int], str | None]
     install: Callable[[Any, Collectives], list[Any]]
 
@@ -257,8 +257,7 @@ def splits(family: Any, inputs: dict[str, Any], sp: int) -> bool:
     """Whether a denoiser call on `inputs` splits its image tokens evenly over `sp` workers; one that does not runs
     whole on one worker of each part (the same bits, without the collectives)."""
     plan = plan_for(family)
-    tokens = plan.tokens(family.denoiser, inputs) if plan else None
-    return tokens is not None and tokens % sp == 0
+    return plan is not None and plan.tokens(family.denoiser, inputs) % sp == 0
 
 
 @contextlib.contextmanager
