@@ -842,8 +842,8 @@ Tensor blocked_convolution(const Tensor& input, const Tensor& weight, const std:
 // values at positions p go to lane p % 16 in increasing p; the 16 lanes are summed in one tree
 // (`lanes_sum`); a group's channels are added in channel order (in double). Mean first, then
 // the centred squares (a second pass: exact enough without Welford). Channels-first rows are
-// read 16 positions at a time, channels-last rows 16 channels at a time; each lane sees the
-// same values in the same order, so both layouts give the same bits (pinned in the tests).
+// read 16 positions at a time, channels-last positions a run of channels at a time; each lane
+// sees the same values in the same order, so both layouts give the same bits (pinned in the tests).
 // The output is x * scale + shift per channel, in the caller's layout.
 constexpr int kLanes = 16;
 
@@ -866,89 +866,116 @@ inline float accumulate(float lane, float x, float centre) {
   }
 }
 
-// Per channel: sum over positions of x, or of (x - centre[c])^2. Full blocks of 16 have
-// compile-time trip counts (so they vectorize); the last, partial one the same steps, fewer lanes.
+// One row's sum over positions of x, or of (x - centre)^2 (channels-first: a row is one channel of
+// one sample). Full blocks of 16 have compile-time trip counts (so they vectorize); the last,
+// partial one the same steps, fewer lanes.
 template <typename T, bool Centred>
-void channel_sums_first(const T* x, int64_t n, int64_t channels, int64_t positions, const float* centre, float* sums) {
-  at::parallel_for(0, n * channels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const T* v = x + row * positions;
-      const float m = Centred ? centre[row] : 0.f;
-      float lanes[kLanes] = {};
-      int64_t p = 0;
-      for (; p + kLanes <= positions; p += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), m);
-      for (int l = 0; p + l < positions; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), m);
-      sums[row] = lanes_sum(lanes);
+float row_sum(const T* v, int64_t positions, float centre) {
+  float lanes[kLanes] = {};
+  int64_t p = 0;
+  for (; p + kLanes <= positions; p += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), centre);
+  for (int l = 0; p + l < positions; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), centre);
+  return lanes_sum(lanes);
+}
+
+// A group's mean (or variance) from its channels' sums: added in channel order, in double, over the group's size.
+double group_mean(const float* sums, int64_t per_group, int64_t positions) {
+  double total = 0;
+  for (int64_t c = 0; c < per_group; ++c) total += sums[c];
+  return total / static_cast<double>(per_group * positions);
+}
+
+// The normalization as x * scale + shift for one channel: its group's mean (as float) and variance, its affine.
+struct ScaleShift {
+  float scale, shift;
+};
+inline ScaleShift scale_shift(float mean, double variance, double eps, const float* gamma, const float* beta, int64_t c) {
+  const float rstd = static_cast<float>(1.0 / std::sqrt(variance + eps));
+  const float scale = gamma ? rstd * gamma[c] : rstd;
+  return {scale, (beta ? beta[c] : 0.f) - mean * scale};
+}
+
+// Channels-first: a group's channels are adjacent rows, so one task takes its (sample, group) through
+// both sums and the normalization while the group's rows are still in cache (the order of each sum is
+// the one above; only which rows run when differs).
+template <typename T>
+void group_norm_first(const T* x, T* out, int64_t n, int64_t channels, int64_t groups, int64_t positions, double eps,
+                      const float* gamma, const float* beta) {
+  const int64_t per_group = channels / groups;
+  at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(per_group);
+    for (int64_t g = begin; g < end; ++g) {
+      const T* v = x + g * per_group * positions;
+      for (int64_t c = 0; c < per_group; ++c) sums[c] = row_sum<T, false>(v + c * positions, positions, 0.f);
+      const float mean = static_cast<float>(group_mean(sums.data(), per_group, positions));
+      for (int64_t c = 0; c < per_group; ++c) sums[c] = row_sum<T, true>(v + c * positions, positions, mean);
+      const double variance = group_mean(sums.data(), per_group, positions);
+      for (int64_t c = 0; c < per_group; ++c) {
+        const auto [a, b] = scale_shift(mean, variance, eps, gamma, beta, g % groups * per_group + c);
+        const T* row = v + c * positions;
+        T* o = out + (g * per_group + c) * positions;
+        for (int64_t p = 0; p < positions; ++p) o[p] = static_cast<T>(static_cast<float>(row[p]) * a + b);
+      }
     }
   });
 }
 
-// A block of Width channels (0: `width`, at run time) of one sample, every position.
-template <typename T, bool Centred, int Width>
-void block_sums_last(const T* __restrict v, int64_t channels, int64_t positions, const float* __restrict m, int width,
-                     float (*__restrict lanes)[kLanes]) {
-  const int w = Width ? Width : width;
-  for (int64_t p = 0; p < positions; p += kLanes) {
-    const int rows = static_cast<int>(std::min<int64_t>(kLanes, positions - p));
-    for (int l = 0; l < rows; ++l) {
-      const T* __restrict at_p = v + (p + l) * channels;
-      float* __restrict lane = lanes[l];
-      for (int j = 0; j < w; ++j) lane[j] = accumulate<Centred>(lane[j], static_cast<float>(at_p[j]), m[j]);
-    }
-  }
-}
+// Channels-last sums, one task per (sample, run of kLastChannels channels): position by position,
+// each position's run read whole (contiguous: the memory is read in order, each line by one task),
+// value at position p to lane p % 16 of its channel, in increasing p; the lanes then summed by
+// `lanes_sum`. Each channel sees exactly the channels-first order, so both layouts give the same bits.
+constexpr int64_t kLastChannels = 128;
 
 template <typename T, bool Centred>
 void channel_sums_last(const T* x, int64_t n, int64_t channels, int64_t positions, const float* centre, float* sums) {
-  const int64_t blocks = (channels + kLanes - 1) / kLanes;
-  at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t runs = (channels + kLastChannels - 1) / kLastChannels;
+  at::parallel_for(0, n * runs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t sample = task / blocks, c0 = task % blocks * kLanes;
-      const int width = static_cast<int>(std::min<int64_t>(kLanes, channels - c0));
-      float m[kLanes] = {};
-      if (Centred) std::copy(centre + sample * channels + c0, centre + sample * channels + c0 + width, m);
-      float lanes[kLanes][kLanes] = {};  // [position lane][channel]
+      const int64_t sample = task / runs, c0 = task % runs * kLastChannels;
+      const int64_t width = std::min(kLastChannels, channels - c0);
+      const float* __restrict m = centre ? centre + sample * channels + c0 : nullptr;
+      std::vector<float> lanes(kLanes * width, 0.f);  // [lane][channel]
       const T* v = x + sample * positions * channels + c0;
-      if (width == kLanes) block_sums_last<T, Centred, kLanes>(v, channels, positions, m, width, lanes);
-      else block_sums_last<T, Centred, 0>(v, channels, positions, m, width, lanes);
-      for (int j = 0; j < width; ++j) {
+      for (int64_t p = 0; p < positions; ++p) {
+        const T* __restrict at_p = v + p * channels;
+        float* __restrict lane = lanes.data() + p % kLanes * width;
+        for (int64_t j = 0; j < width; ++j)
+          lane[j] = accumulate<Centred>(lane[j], static_cast<float>(at_p[j]), Centred ? m[j] : 0.f);
+      }
+      for (int64_t j = 0; j < width; ++j) {
         float column[kLanes];
-        for (int l = 0; l < kLanes; ++l) column[l] = lanes[l][j];
+        for (int l = 0; l < kLanes; ++l) column[l] = lanes[l * width + j];
         sums[sample * channels + c0 + j] = lanes_sum(column);
       }
     }
   });
 }
 
-// Per (sample, group): the channels' sums added in channel order, over the group's size.
-std::vector<double> group_means(const std::vector<float>& sums, int64_t n, int64_t channels, int64_t groups, int64_t positions) {
-  const int64_t per_group = channels / groups;
-  std::vector<double> means(n * groups);
-  for (int64_t g = 0; g < n * groups; ++g) {
-    double total = 0;
-    for (int64_t c = 0; c < per_group; ++c) total += sums[g * per_group + c];
-    means[g] = total / static_cast<double>(per_group * positions);
-  }
-  return means;
-}
-
 template <typename T>
-void normalize(const T* x, T* out, int64_t n, int64_t channels, int64_t positions, bool last, const float* scale,
-               const float* shift) {
-  const int64_t rows = last ? n * positions : n * channels;
-  const int64_t length = last ? channels : positions;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+void group_norm_last(const T* x, T* out, int64_t n, int64_t channels, int64_t groups, int64_t positions, double eps,
+                     const float* gamma, const float* beta) {
+  const int64_t per_group = channels / groups;
+  std::vector<float> sums(n * channels), mean(n * channels), scale(n * channels), shift(n * channels);
+  channel_sums_last<T, false>(x, n, channels, positions, nullptr, sums.data());
+  for (int64_t g = 0; g < n * groups; ++g)
+    std::fill_n(mean.begin() + g * per_group, per_group, static_cast<float>(group_mean(&sums[g * per_group], per_group, positions)));
+  channel_sums_last<T, true>(x, n, channels, positions, mean.data(), sums.data());
+  for (int64_t g = 0; g < n * groups; ++g) {
+    const double variance = group_mean(&sums[g * per_group], per_group, positions);
+    for (int64_t i = g * per_group; i < (g + 1) * per_group; ++i) {
+      const ScaleShift channel = scale_shift(mean[i], variance, eps, gamma, beta, i % channels);
+      scale[i] = channel.scale;
+      shift[i] = channel.shift;
+    }
+  }
+  at::parallel_for(0, n * positions, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const T* v = x + row * length;
-      T* o = out + row * length;
-      if (last) {
-        const int64_t base = row / positions * channels;
-        for (int64_t c = 0; c < channels; ++c) o[c] = static_cast<T>(static_cast<float>(v[c]) * scale[base + c] + shift[base + c]);
-      } else {
-        const float a = scale[row], b = shift[row];
-        for (int64_t p = 0; p < positions; ++p) o[p] = static_cast<T>(static_cast<float>(v[p]) * a + b);
-      }
+      const T* v = x + row * channels;
+      T* o = out + row * channels;
+      const float* a = scale.data() + row / positions * channels;
+      const float* b = shift.data() + row / positions * channels;
+      for (int64_t c = 0; c < channels; ++c) o[c] = static_cast<T>(static_cast<float>(v[c]) * a[c] + b[c]);
     }
   });
 }
@@ -957,31 +984,12 @@ template <typename T>
 Tensor group_norm_fixed(const Tensor& x, bool last, int64_t groups, const std::optional<Tensor>& weight,
                         const std::optional<Tensor>& bias, double eps) {
   const int64_t n = x.size(0), channels = x.size(1), positions = product(x.sizes().slice(2));
-  const T* v = x.const_data_ptr<T>();
-  auto sums = [&](const float* centre) {
-    std::vector<float> out(n * channels);
-    if (centre) (last ? channel_sums_last<T, true> : channel_sums_first<T, true>)(v, n, channels, positions, centre, out.data());
-    else (last ? channel_sums_last<T, false> : channel_sums_first<T, false>)(v, n, channels, positions, centre, out.data());
-    return out;
-  };
-  auto per_channel = [&](const std::vector<double>& per_group) {
-    std::vector<float> out(n * channels);
-    for (int64_t i = 0; i < n * channels; ++i) out[i] = static_cast<float>(per_group[i / (channels / groups)]);
-    return out;
-  };
-  const std::vector<float> mean = per_channel(group_means(sums(nullptr), n, channels, groups, positions));
-  const std::vector<double> variance = group_means(sums(mean.data()), n, channels, groups, positions);
   Tensor gamma = weight && weight->defined() ? weight->to(at::kFloat).contiguous() : Tensor();
   Tensor beta = bias && bias->defined() ? bias->to(at::kFloat).contiguous() : Tensor();
-  std::vector<float> scale(n * channels), shift(n * channels);
-  for (int64_t i = 0; i < n * channels; ++i) {
-    const int64_t c = i % channels;
-    const float rstd = static_cast<float>(1.0 / std::sqrt(variance[i / (channels / groups)] + eps));
-    scale[i] = gamma.defined() ? rstd * gamma.const_data_ptr<float>()[c] : rstd;
-    shift[i] = (beta.defined() ? beta.const_data_ptr<float>()[c] : 0.f) - mean[i] * scale[i];
-  }
   Tensor out = at::empty_like(x);  // same strides: the caller's layout
-  normalize(v, out.mutable_data_ptr<T>(), n, channels, positions, last, scale.data(), shift.data());
+  (last ? group_norm_last<T> : group_norm_first<T>)(x.const_data_ptr<T>(), out.mutable_data_ptr<T>(), n, channels, groups,
+                                                    positions, eps, gamma.defined() ? gamma.const_data_ptr<float>() : nullptr,
+                                                    beta.defined() ? beta.const_data_ptr<float>() : nullptr);
   return out;
 }
 
