@@ -13,7 +13,10 @@ then barely moves it); with more, wall time (the only honest clock for threads).
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -80,7 +83,10 @@ def _point(k: int, n: int, m: int, dtype: torch.dtype, repeats: int, clock) -> d
                 enable_batch_invariant_kernels("cpu")
             else:
                 disable_batch_invariant_kernels()
-            calls.setdefault(way, _calls(ways[way]))  # also warms up (and packs the weight once)
+            # Warm every time: turning the kernels off empties their packed-weight cache, and a replica packs a weight
+            # once, at its warm-up (a pack inside the timing made large single-row products look 0.77x stock).
+            calls.setdefault(way, _calls(ways[way]))
+            ways[way]()
             seconds[way].append(_timed(ways[way], calls[way], clock))
     disable_batch_invariant_kernels()
     row = {"k": k, "n": n, "m": m, "seconds_median": {w: statistics.median(s) for w, s in seconds.items()}}
@@ -185,3 +191,34 @@ def picture(report: dict, path: str) -> None:
         x_label="rows M",
         series=series,
     )
+
+
+def main() -> None:
+    """`python -m bench.gemm`: the same points in a process held to no path, so stock is MKL and oneDNN at this
+    CPU's widest (what stock PyTorch gets here); `omniserve bench --stage kernels` compares against stock held to the
+    kernel path, as a replica with invariance off runs."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M, e.g. 1,2")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    report = run_benchmark(
+        repeats=args.repeats,
+        threads=[int(t) for t in args.threads.split(",")],
+        dtypes=args.dtypes.split(","),
+        rows=[int(m) for m in args.rows.split(",")],
+        command=[sys.executable, "-m", "bench.gemm", *sys.argv[1:]],
+    )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

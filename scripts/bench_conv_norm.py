@@ -39,6 +39,22 @@ NORMS = tuple(
     for c, hw in ((64, 16), (128, 32), (64, 64))
     for layout in ("first", "last")
 )
+#: The same at the widths users serve (`--widths real`): SD1.5's UNet at 512x512 with CFG (batch 2: 320, 640 and 1280
+#: channels at 64x64, 32x32, 16x16) and its VAE decoder's largest (batch 1: 512 channels at 64x64 and 128x128, 256 at
+#: 256x256, 128 at 512x512).
+REAL_NORMS = tuple(
+    (f"group_norm {n}x{c} @ {hw}x{hw} {layout}", (n, c, hw, hw), layout)
+    for n, c, hw in (
+        (2, 320, 64),
+        (2, 640, 32),
+        (2, 1280, 16),
+        (1, 512, 64),
+        (1, 512, 128),
+        (1, 256, 256),
+        (1, 128, 512),
+    )
+    for layout in ("first", "last")
+)
 
 
 def _layout(x, layout: str):
@@ -80,6 +96,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", default="1", help="torch thread counts, e.g. 1,2")
     parser.add_argument("--ops", default="conv,norm", help="of conv,norm")
+    parser.add_argument("--widths", default="tiny", help="group_norm shapes: tiny (the tiny models'), real, or both")
     parser.add_argument("--json")
     args = parser.parse_args()
     threads, ops = [int(t) for t in args.threads.split(",")], set(args.ops.split(","))
@@ -101,7 +118,8 @@ def main() -> None:
                             **_point(lambda x=x, w=w: F.conv2d(x, w, padding=1), args.repeats, count),
                         }
                     )
-                for name, shape, layout in NORMS if "norm" in ops else ():
+                norms = (NORMS if "tiny" in args.widths else ()) + (REAL_NORMS if "real" in args.widths else ())
+                for name, shape, layout in norms if "norm" in ops else ():
                     x = _layout(torch.randn(shape, generator=gen).to(dtype), layout)
                     rows.append({"op": name, **common, **_point(lambda x=x: F.group_norm(x, 32), args.repeats, count)})
     report = {
@@ -109,11 +127,12 @@ def main() -> None:
         "aten": torch.backends.cpu.get_cpu_capability(),
         "threads": threads,
         "repeats": args.repeats,
+        "widths": args.widths,
         "rows": rows,
     }
     for row in rows:
         print(
-            f"{report['path']:8} t{row['threads']} {row['dtype']:9} {row['op']:32} stock {row['stock_ms']:8.3f} ms  ours "
+            f"{report['path']:8} t{row['threads']} {row['dtype']:9} {row['op']:42} stock {row['stock_ms']:8.3f} ms  ours "
             f"{row['invariant_ms']:8.3f} ms  stock/ours {row['ratio_median']:.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
         )
     if args.json:

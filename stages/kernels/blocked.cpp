@@ -367,7 +367,10 @@ constexpr int kTileRows = 8;
 
 // Vectors of 16 columns per panel for a weight of n columns: its shape alone decides.
 inline int panel_vectors(int64_t n) { return n <= 16 ? 1 : n <= 32 ? 2 : 3; }
-constexpr int64_t kDepthChunk = 512;  // k per chunk: a panel's chunk stays in L1/L2 while every row passes
+// k per chunk: a panel's chunk (128 x 48 columns of float32, 24 KB) stays in L1 while every row tile of a block
+// passes; at 512 it spilled to L2, which AVX2's tiles of 2-4 rows read too often (measured on a Xeon, one thread,
+// float32: 1024 x 3072 x 3072 at 21 GMAC/s with 512, 34 with 128; 64 was no faster).
+constexpr int64_t kDepthChunk = 128;
 
 // Element type traits: float32 takes one k per step, bfloat16 a pair.
 template <typename T> struct Packing;
@@ -433,9 +436,11 @@ __attribute__((noinline)) void finish(const PackedProblem& p, Lanes acc, int64_t
   finish_lanes<T>(acc, bias, static_cast<T*>(p.out) + i * p.n + j, static_cast<int>(left), p.alpha, p.beta);
 }
 
+constexpr int64_t kPrefetchSteps = 16;
+
 // R rows x one panel over steps [s0, s1): partial sums from `partial` (none at s0 == 0), the k
 // steps, then either back to `partial` or, after the last step, finished into the output.
-template <typename T, int R, int kVectors>
+template <typename T, int R, int kVectors, bool Stream>
 void packed_tile(const PackedProblem& p, int64_t i0, int64_t panel, int64_t s0, int64_t s1, float* partial) {
   constexpr int64_t kPanel = 16 * kVectors;
   using P = Packing<T>;
@@ -450,6 +455,11 @@ void packed_tile(const PackedProblem& p, int64_t i0, int64_t panel, int64_t s0, 
   const int64_t whole = std::min(s1, p.depth / per);
   int64_t s = s0;
   for (; s < whole; ++s, w += kPanel * per) {
+    // Rows that make one tile stream each panel once: ask for its lines kPrefetchSteps ahead (faster than the
+    // hardware prefetcher alone; measured: 4096 x 4096 float32, one row, 0.71x of stock -> 1.00x). No effect on any sum.
+    if constexpr (Stream)
+      for (int64_t line = 0; line < kPanel * per * static_cast<int64_t>(sizeof(T)); line += kLineBytes)
+        __builtin_prefetch(reinterpret_cast<const char*>(w + kPrefetchSteps * kPanel * per) + line);
     typename P::Weights wv[kVectors];
     for (int v = 0; v < kVectors; ++v) wv[v] = P::weights(w + v * 16 * per);
     for (int r = 0; r < R; ++r)
@@ -469,17 +479,17 @@ void packed_tile(const PackedProblem& p, int64_t i0, int64_t panel, int64_t s0, 
         finish<T>(p, Lanes::load(partial + (r * kVectors + v) * 16), i0 + r, panel * kPanel + v * 16);
 }
 
-template <typename T, int V>
+template <typename T, int V, bool Stream>
 void packed_tile_rows(const PackedProblem& p, int64_t i, int rows, int64_t panel, int64_t s0, int64_t s1, float* partial) {
   switch (rows) {
-    case 8: packed_tile<T, 8, V>(p, i, panel, s0, s1, partial); break;
-    case 7: packed_tile<T, 7, V>(p, i, panel, s0, s1, partial); break;
-    case 6: packed_tile<T, 6, V>(p, i, panel, s0, s1, partial); break;
-    case 5: packed_tile<T, 5, V>(p, i, panel, s0, s1, partial); break;
-    case 4: packed_tile<T, 4, V>(p, i, panel, s0, s1, partial); break;
-    case 3: packed_tile<T, 3, V>(p, i, panel, s0, s1, partial); break;
-    case 2: packed_tile<T, 2, V>(p, i, panel, s0, s1, partial); break;
-    case 1: packed_tile<T, 1, V>(p, i, panel, s0, s1, partial); break;
+    case 8: packed_tile<T, 8, V, Stream>(p, i, panel, s0, s1, partial); break;
+    case 7: packed_tile<T, 7, V, Stream>(p, i, panel, s0, s1, partial); break;
+    case 6: packed_tile<T, 6, V, Stream>(p, i, panel, s0, s1, partial); break;
+    case 5: packed_tile<T, 5, V, Stream>(p, i, panel, s0, s1, partial); break;
+    case 4: packed_tile<T, 4, V, Stream>(p, i, panel, s0, s1, partial); break;
+    case 3: packed_tile<T, 3, V, Stream>(p, i, panel, s0, s1, partial); break;
+    case 2: packed_tile<T, 2, V, Stream>(p, i, panel, s0, s1, partial); break;
+    case 1: packed_tile<T, 1, V, Stream>(p, i, panel, s0, s1, partial); break;
     default: break;
   }
 }
@@ -489,10 +499,12 @@ static_assert(kTileRows == 8, "packed_tile_rows dispatches 1 to 8 rows");
 // a block of rows stay in L2 while the block's slice of `a` for one k chunk (L2) is reused by every
 // panel of the group, and each panel's chunk (L1) by every row of the block. The blocking decides
 // what is in cache, never the order of any element's sum.
-template <typename T, int V>
+template <typename T, int V, bool Stream>
 void packed_panels(const PackedProblem& p, int64_t r0, int64_t r1, int64_t begin, int64_t end) {
   constexpr int64_t kBlockRows = 256, kPartialBytes = int64_t{1} << 19, kPanel = 16 * V;
-  const int64_t chunk = std::max<int64_t>(1, kDepthChunk / Packing<T>::kPerStep);
+  // k in chunks so that a chunk of `a` and of a panel are reused from cache by the block's rows and the group's
+  // panels; rows that make one tile (Stream) reuse nothing: each panel then streams whole, one after another.
+  const int64_t chunk = Stream ? std::max<int64_t>(p.steps, 1) : std::max<int64_t>(1, kDepthChunk / Packing<T>::kPerStep);
   const int64_t block = std::min<int64_t>(kBlockRows, (r1 - r0 + kTileRows - 1) / kTileRows * kTileRows);
   const int64_t group = std::clamp<int64_t>(kPartialBytes / (block * kPanel * static_cast<int64_t>(sizeof(float))), 1,
                                             std::max<int64_t>(end - begin, 1));
@@ -506,9 +518,9 @@ void packed_panels(const PackedProblem& p, int64_t r0, int64_t r1, int64_t begin
       for (int64_t s0 = 0; s0 < std::max<int64_t>(p.steps, 1); s0 += chunk)
         for (int64_t panel = g0; panel < g1; ++panel)
           for (int64_t i = i0; i < i1; i += kTileRowsFor<V>)
-            packed_tile_rows<T, V>(p, i, static_cast<int>(std::min<int64_t>(kTileRowsFor<V>, i1 - i)), panel, s0,
-                                   std::min(p.steps, s0 + chunk),
-                                   partial.get() + ((panel - g0) * block + (i - i0)) * kPanel);
+            packed_tile_rows<T, V, Stream>(p, i, static_cast<int>(std::min<int64_t>(kTileRowsFor<V>, i1 - i)), panel,
+                                           s0, std::min(p.steps, s0 + chunk),
+                                           partial.get() + ((panel - g0) * block + (i - i0)) * kPanel);
     }
   }
 }
@@ -520,20 +532,27 @@ void packed_panels(const PackedProblem& p, int64_t r0, int64_t r1, int64_t begin
 // costs more than it saves, and on a busy box (another process on the other core) a barrier can wait
 // for a whole time slice (measured: a 32x32x128 product at 0.5 ms instead of a few us).
 constexpr int64_t kThreadMacs = int64_t{1} << 21;
+constexpr int64_t kStreamRows = 16;
 
 template <typename T, int V>
 void packed_parallel(const PackedProblem& p, int64_t m, int64_t panels) {
-  const int64_t work = std::max<int64_t>(m * p.depth * 16 * V, 1);  // multiply-adds per panel
+  // A panel's cost in multiply-adds at the compute-bound rate: a product of few rows streams its weights from
+  // memory at about a sixteenth of that rate per multiply-add, so it counts as kStreamRows rows (one row of 2048 x
+  // 5632 otherwise never woke a second thread; measured 2 threads, 1 row: 512 x 1408 at 0.33x of stock before).
+  const int64_t work = std::max<int64_t>(std::max<int64_t>(m, kStreamRows) * p.depth * 16 * V, 1);
   const int threads = at::get_num_threads();
   if (panels >= threads || m < 2 * kTileRows) {
     const int64_t grain = std::max<int64_t>(1, kThreadMacs / work);
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) { packed_panels<T, V>(p, 0, m, begin, end); });
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      if (m <= kTileRowsFor<V>) packed_panels<T, V, true>(p, 0, m, begin, end);
+      else packed_panels<T, V, false>(p, 0, m, begin, end);
+    });
     return;
   }
   const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t grain = std::max<int64_t>(1, kThreadMacs / std::max<int64_t>(work * panels / tiles, 1));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    packed_panels<T, V>(p, begin * kTileRows, std::min(m, end * kTileRows), 0, panels);
+    packed_panels<T, V, false>(p, begin * kTileRows, std::min(m, end * kTileRows), 0, panels);
   });
 }
 
@@ -842,8 +861,8 @@ Tensor blocked_convolution(const Tensor& input, const Tensor& weight, const std:
 // values at positions p go to lane p % 16 in increasing p; the 16 lanes are summed in one tree
 // (`lanes_sum`); a group's channels are added in channel order (in double). Mean first, then
 // the centred squares (a second pass: exact enough without Welford). Channels-first rows are
-// read 16 positions at a time, channels-last rows 16 channels at a time; each lane sees the
-// same values in the same order, so both layouts give the same bits (pinned in the tests).
+// read 16 positions at a time, channels-last positions a run of channels at a time; each lane
+// sees the same values in the same order, so both layouts give the same bits (pinned in the tests).
 // The output is x * scale + shift per channel, in the caller's layout.
 constexpr int kLanes = 16;
 
@@ -866,89 +885,116 @@ inline float accumulate(float lane, float x, float centre) {
   }
 }
 
-// Per channel: sum over positions of x, or of (x - centre[c])^2. Full blocks of 16 have
-// compile-time trip counts (so they vectorize); the last, partial one the same steps, fewer lanes.
+// One row's sum over positions of x, or of (x - centre)^2 (channels-first: a row is one channel of
+// one sample). Full blocks of 16 have compile-time trip counts (so they vectorize); the last,
+// partial one the same steps, fewer lanes.
 template <typename T, bool Centred>
-void channel_sums_first(const T* x, int64_t n, int64_t channels, int64_t positions, const float* centre, float* sums) {
-  at::parallel_for(0, n * channels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const T* v = x + row * positions;
-      const float m = Centred ? centre[row] : 0.f;
-      float lanes[kLanes] = {};
-      int64_t p = 0;
-      for (; p + kLanes <= positions; p += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), m);
-      for (int l = 0; p + l < positions; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), m);
-      sums[row] = lanes_sum(lanes);
+float row_sum(const T* v, int64_t positions, float centre) {
+  float lanes[kLanes] = {};
+  int64_t p = 0;
+  for (; p + kLanes <= positions; p += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), centre);
+  for (int l = 0; p + l < positions; ++l) lanes[l] = accumulate<Centred>(lanes[l], static_cast<float>(v[p + l]), centre);
+  return lanes_sum(lanes);
+}
+
+// A group's mean (or variance) from its channels' sums: added in channel order, in double, over the group's size.
+double group_mean(const float* sums, int64_t per_group, int64_t positions) {
+  double total = 0;
+  for (int64_t c = 0; c < per_group; ++c) total += sums[c];
+  return total / static_cast<double>(per_group * positions);
+}
+
+// The normalization as x * scale + shift for one channel: its group's mean (as float) and variance, its affine.
+struct ScaleShift {
+  float scale, shift;
+};
+inline ScaleShift scale_shift(float mean, double variance, double eps, const float* gamma, const float* beta, int64_t c) {
+  const float rstd = static_cast<float>(1.0 / std::sqrt(variance + eps));
+  const float scale = gamma ? rstd * gamma[c] : rstd;
+  return {scale, (beta ? beta[c] : 0.f) - mean * scale};
+}
+
+// Channels-first: a group's channels are adjacent rows, so one task takes its (sample, group) through
+// both sums and the normalization while the group's rows are still in cache (the order of each sum is
+// the one above; only which rows run when differs).
+template <typename T>
+void group_norm_first(const T* x, T* out, int64_t n, int64_t channels, int64_t groups, int64_t positions, double eps,
+                      const float* gamma, const float* beta) {
+  const int64_t per_group = channels / groups;
+  at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(per_group);
+    for (int64_t g = begin; g < end; ++g) {
+      const T* v = x + g * per_group * positions;
+      for (int64_t c = 0; c < per_group; ++c) sums[c] = row_sum<T, false>(v + c * positions, positions, 0.f);
+      const float mean = static_cast<float>(group_mean(sums.data(), per_group, positions));
+      for (int64_t c = 0; c < per_group; ++c) sums[c] = row_sum<T, true>(v + c * positions, positions, mean);
+      const double variance = group_mean(sums.data(), per_group, positions);
+      for (int64_t c = 0; c < per_group; ++c) {
+        const auto [a, b] = scale_shift(mean, variance, eps, gamma, beta, g % groups * per_group + c);
+        const T* row = v + c * positions;
+        T* o = out + (g * per_group + c) * positions;
+        for (int64_t p = 0; p < positions; ++p) o[p] = static_cast<T>(static_cast<float>(row[p]) * a + b);
+      }
     }
   });
 }
 
-// A block of Width channels (0: `width`, at run time) of one sample, every position.
-template <typename T, bool Centred, int Width>
-void block_sums_last(const T* __restrict v, int64_t channels, int64_t positions, const float* __restrict m, int width,
-                     float (*__restrict lanes)[kLanes]) {
-  const int w = Width ? Width : width;
-  for (int64_t p = 0; p < positions; p += kLanes) {
-    const int rows = static_cast<int>(std::min<int64_t>(kLanes, positions - p));
-    for (int l = 0; l < rows; ++l) {
-      const T* __restrict at_p = v + (p + l) * channels;
-      float* __restrict lane = lanes[l];
-      for (int j = 0; j < w; ++j) lane[j] = accumulate<Centred>(lane[j], static_cast<float>(at_p[j]), m[j]);
-    }
-  }
-}
+// Channels-last sums, one task per (sample, run of kLastChannels channels): position by position,
+// each position's run read whole (contiguous: the memory is read in order, each line by one task),
+// value at position p to lane p % 16 of its channel, in increasing p; the lanes then summed by
+// `lanes_sum`. Each channel sees exactly the channels-first order, so both layouts give the same bits.
+constexpr int64_t kLastChannels = 128;
 
 template <typename T, bool Centred>
 void channel_sums_last(const T* x, int64_t n, int64_t channels, int64_t positions, const float* centre, float* sums) {
-  const int64_t blocks = (channels + kLanes - 1) / kLanes;
-  at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t runs = (channels + kLastChannels - 1) / kLastChannels;
+  at::parallel_for(0, n * runs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t sample = task / blocks, c0 = task % blocks * kLanes;
-      const int width = static_cast<int>(std::min<int64_t>(kLanes, channels - c0));
-      float m[kLanes] = {};
-      if (Centred) std::copy(centre + sample * channels + c0, centre + sample * channels + c0 + width, m);
-      float lanes[kLanes][kLanes] = {};  // [position lane][channel]
+      const int64_t sample = task / runs, c0 = task % runs * kLastChannels;
+      const int64_t width = std::min(kLastChannels, channels - c0);
+      const float* __restrict m = centre ? centre + sample * channels + c0 : nullptr;
+      std::vector<float> lanes(kLanes * width, 0.f);  // [lane][channel]
       const T* v = x + sample * positions * channels + c0;
-      if (width == kLanes) block_sums_last<T, Centred, kLanes>(v, channels, positions, m, width, lanes);
-      else block_sums_last<T, Centred, 0>(v, channels, positions, m, width, lanes);
-      for (int j = 0; j < width; ++j) {
+      for (int64_t p = 0; p < positions; ++p) {
+        const T* __restrict at_p = v + p * channels;
+        float* __restrict lane = lanes.data() + p % kLanes * width;
+        for (int64_t j = 0; j < width; ++j)
+          lane[j] = accumulate<Centred>(lane[j], static_cast<float>(at_p[j]), Centred ? m[j] : 0.f);
+      }
+      for (int64_t j = 0; j < width; ++j) {
         float column[kLanes];
-        for (int l = 0; l < kLanes; ++l) column[l] = lanes[l][j];
+        for (int l = 0; l < kLanes; ++l) column[l] = lanes[l * width + j];
         sums[sample * channels + c0 + j] = lanes_sum(column);
       }
     }
   });
 }
 
-// Per (sample, group): the channels' sums added in channel order, over the group's size.
-std::vector<double> group_means(const std::vector<float>& sums, int64_t n, int64_t channels, int64_t groups, int64_t positions) {
-  const int64_t per_group = channels / groups;
-  std::vector<double> means(n * groups);
-  for (int64_t g = 0; g < n * groups; ++g) {
-    double total = 0;
-    for (int64_t c = 0; c < per_group; ++c) total += sums[g * per_group + c];
-    means[g] = total / static_cast<double>(per_group * positions);
-  }
-  return means;
-}
-
 template <typename T>
-void normalize(const T* x, T* out, int64_t n, int64_t channels, int64_t positions, bool last, const float* scale,
-               const float* shift) {
-  const int64_t rows = last ? n * positions : n * channels;
-  const int64_t length = last ? channels : positions;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+void group_norm_last(const T* x, T* out, int64_t n, int64_t channels, int64_t groups, int64_t positions, double eps,
+                     const float* gamma, const float* beta) {
+  const int64_t per_group = channels / groups;
+  std::vector<float> sums(n * channels), mean(n * channels), scale(n * channels), shift(n * channels);
+  channel_sums_last<T, false>(x, n, channels, positions, nullptr, sums.data());
+  for (int64_t g = 0; g < n * groups; ++g)
+    std::fill_n(mean.begin() + g * per_group, per_group, static_cast<float>(group_mean(&sums[g * per_group], per_group, positions)));
+  channel_sums_last<T, true>(x, n, channels, positions, mean.data(), sums.data());
+  for (int64_t g = 0; g < n * groups; ++g) {
+    const double variance = group_mean(&sums[g * per_group], per_group, positions);
+    for (int64_t i = g * per_group; i < (g + 1) * per_group; ++i) {
+      const ScaleShift channel = scale_shift(mean[i], variance, eps, gamma, beta, i % channels);
+      scale[i] = channel.scale;
+      shift[i] = channel.shift;
+    }
+  }
+  at::parallel_for(0, n * positions, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const T* v = x + row * length;
-      T* o = out + row * length;
-      if (last) {
-        const int64_t base = row / positions * channels;
-        for (int64_t c = 0; c < channels; ++c) o[c] = static_cast<T>(static_cast<float>(v[c]) * scale[base + c] + shift[base + c]);
-      } else {
-        const float a = scale[row], b = shift[row];
-        for (int64_t p = 0; p < positions; ++p) o[p] = static_cast<T>(static_cast<float>(v[p]) * a + b);
-      }
+      const T* v = x + row * channels;
+      T* o = out + row * channels;
+      const float* a = scale.data() + row / positions * channels;
+      const float* b = shift.data() + row / positions * channels;
+      for (int64_t c = 0; c < channels; ++c) o[c] = static_cast<T>(static_cast<float>(v[c]) * a[c] + b[c]);
     }
   });
 }
@@ -957,31 +1003,12 @@ template <typename T>
 Tensor group_norm_fixed(const Tensor& x, bool last, int64_t groups, const std::optional<Tensor>& weight,
                         const std::optional<Tensor>& bias, double eps) {
   const int64_t n = x.size(0), channels = x.size(1), positions = product(x.sizes().slice(2));
-  const T* v = x.const_data_ptr<T>();
-  auto sums = [&](const float* centre) {
-    std::vector<float> out(n * channels);
-    if (centre) (last ? channel_sums_last<T, true> : channel_sums_first<T, true>)(v, n, channels, positions, centre, out.data());
-    else (last ? channel_sums_last<T, false> : channel_sums_first<T, false>)(v, n, channels, positions, centre, out.data());
-    return out;
-  };
-  auto per_channel = [&](const std::vector<double>& per_group) {
-    std::vector<float> out(n * channels);
-    for (int64_t i = 0; i < n * channels; ++i) out[i] = static_cast<float>(per_group[i / (channels / groups)]);
-    return out;
-  };
-  const std::vector<float> mean = per_channel(group_means(sums(nullptr), n, channels, groups, positions));
-  const std::vector<double> variance = group_means(sums(mean.data()), n, channels, groups, positions);
   Tensor gamma = weight && weight->defined() ? weight->to(at::kFloat).contiguous() : Tensor();
   Tensor beta = bias && bias->defined() ? bias->to(at::kFloat).contiguous() : Tensor();
-  std::vector<float> scale(n * channels), shift(n * channels);
-  for (int64_t i = 0; i < n * channels; ++i) {
-    const int64_t c = i % channels;
-    const float rstd = static_cast<float>(1.0 / std::sqrt(variance[i / (channels / groups)] + eps));
-    scale[i] = gamma.defined() ? rstd * gamma.const_data_ptr<float>()[c] : rstd;
-    shift[i] = (beta.defined() ? beta.const_data_ptr<float>()[c] : 0.f) - mean[i] * scale[i];
-  }
   Tensor out = at::empty_like(x);  // same strides: the caller's layout
-  normalize(v, out.mutable_data_ptr<T>(), n, channels, positions, last, scale.data(), shift.data());
+  (last ? group_norm_last<T> : group_norm_first<T>)(x.const_data_ptr<T>(), out.mutable_data_ptr<T>(), n, channels, groups,
+                                                    positions, eps, gamma.defined() ? gamma.const_data_ptr<float>() : nullptr,
+                                                    beta.defined() ? beta.const_data_ptr<float>() : nullptr);
   return out;
 }
 
