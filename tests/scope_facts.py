@@ -1,7 +1,9 @@
 """What the shipped audit records can verify: a fact of the repository and of the kernel paths it was audited on.
 
 Records name the kernel path and ATen's level they were made on (stages/scope.py `hardware`); the shipped ones cover
-the default models on every x86-64 path (avx2, generic, avx512: `audited` in each says which machine made it). An
+the default models on the avx2 and generic paths (`audited` in each says which machine made it); the avx512 ones
+predate the kernels' current source (made on an AMD EPYC with AVX-512 BF16, which that path needs) and cover nothing
+until they are made again there. An
 audit refuses to record where its control never varies (evidence/record.py). On the avx2 path the default LLM's
 control never varies at its one thread (0 of 104 runs, on an AVX2 and an AVX-512 machine); that record rests on the
 control at two threads, where it varies, the kernels-on bits being equal at both (on generic and avx512 it varies at
@@ -21,6 +23,8 @@ unverified: a machine fact, so those tests skip and say what was measured.
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Iterable
 
 
 def record_gap(stage: str) -> str | None:
@@ -36,6 +40,21 @@ def record_gap(stage: str) -> str | None:
         return golden_gap() if stage == "diffusion" else None
     return (f"no shipped audit record covers the default {stage} stage with kernels {kernels} on {', '.join(mine)} "
             "(tests/scope_facts.py has the command that makes one); the stage is unverified until one is made")
+
+
+def by_users_records(verified_by: Iterable[str]) -> bool:
+    """Whether each of a replica's `verified_by` names a record of the user's cache that is not shipped.
+
+    Where no shipped record covers a stage (`record_gap`), a replica still reads the user's records (contracts/scope.py
+    `load_records`): its own start-up self-audit's where the control varied, an earlier one's, an `omniserve audit`'s.
+    Which of those exist depends on what ran on this machine before (other test workers write them while the suite
+    runs), so a test that found a gap accepts either verdict, verified only by such a record."""
+    from contracts.scope import SHIPPED_RECORDS, user_records
+
+    names = [re.search(r"record (\S+\.json)", by) for by in verified_by]
+    return bool(names) and all(
+        name is not None and (user_records() / name[1]).is_file() and not (SHIPPED_RECORDS / name[1]).is_file()
+        for name in names)
 
 
 

@@ -6,7 +6,7 @@ import base64
 import pytest
 
 from contracts.provenance import read_record
-from tests.scope_facts import record_gap
+from tests.scope_facts import by_users_records, record_gap
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,7 +49,10 @@ def test_the_llm_without_a_record_is_unverified_and_says_why(http):
     if not record_gap("llm"):
         pytest.skip("a shipped record covers the default LLM: it is verified (the test above)")
     report = http.get("/health").json()["stages"]["llm"]
-    assert report["verified"] is False
+    if report["verified"]:  # what the replicas read beside the shipped records (tests/scope_facts.py)
+        by = [v["by"] for v in report["scope"].values()]
+        assert by_users_records(by), report
+        pytest.skip(f"no shipped record covers the default LLM, but a record in the user's cache does: {by}")
     differences = [d for v in report["scope"].values() for d in v["differences"]]
     assert any("not audited" in d or "no audit record" in d for d in differences), differences
 
@@ -59,7 +62,11 @@ def test_a_rewritten_image_says_each_stage_verified_and_one_beyond_the_audited_s
         pytest.skip(gap)
     body = http.post("/v1/images/generations", json={"prompt": "a lighthouse", "seed": 5, "size": "64x64"}).json()
     assert body["invariance"]["diffusion"]["verified"] is True and body["invariance"]["diffusion"]["verified_by"]
-    assert body["invariance"]["llm"]["verified"] is (record_gap("llm") is None)
+    llm = body["invariance"]["llm"]
+    if record_gap("llm") is None:
+        assert llm["verified"] is True, llm
+    else:  # no shipped record: unverified, unless a record of the user's covers it
+        assert not llm["verified"] or by_users_records(llm["verified_by"]), llm
 
     big = http.post("/v1/images/generations", json={"prompt": "a lighthouse", "seed": 5, "size": "512x512",
                                                     "enhance_prompt": False, "num_inference_steps": 1})
