@@ -74,14 +74,19 @@ openai-ts:
 		echo "make openai-ts: npm ci into $(OPENAI_TS_DIR) failed (see above); the TypeScript SDK test will fail until it succeeds" >&2; \
 	fi
 
-# Debian's aarch64 cross compiler: the kernel tests compile the generic path for aarch64 (an object file; nothing
-# runs it here). Installed like the browser: through apt-get when missing and we are root, else the test says so.
-toolchains:
-	@if command -v aarch64-linux-gnu-g++ >/dev/null; then :; \
+# Debian's aarch64 cross compiler and user-mode emulator, and torch's own aarch64 libraries (build/aarch64-torch,
+# ignored by git): the kernel tests compile the generic path for aarch64 and run its golden cases under emulation
+# (tests/stages/test_aarch64.py). Installed like the browser: through apt-get when missing and we are root, else the
+# tests say what to install.
+AARCH64_PACKAGES := g++-aarch64-linux-gnu qemu-user
+toolchains: setup
+	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing g++-aarch64-linux-gnu (apt-get)"; \
-		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++-aarch64-linux-gnu >/dev/null; \
-	else echo "make toolchains: aarch64-linux-gnu-g++ is missing; install it as root: apt-get install g++-aarch64-linux-gnu" >&2; fi
+		echo "installing $(AARCH64_PACKAGES) (apt-get)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(AARCH64_PACKAGES) >/dev/null; \
+	else echo "make toolchains: aarch64-linux-gnu-g++ or qemu-aarch64 is missing; install them as root: apt-get install $(AARCH64_PACKAGES)" >&2; fi
+	@$(BIN)/python scripts/aarch64_torch.py build/aarch64-torch $(PIP_OPTS) >/dev/null || \
+		echo "make toolchains: fetching torch's aarch64 libraries failed (see above); the aarch64 test will fail until it succeeds" >&2
 
 # ruff (lint and format) and mypy over the served packages and the drivers (evidence, training, bench, cli): clean, or
 # make test stops here.

@@ -88,14 +88,22 @@ def cpu_isa() -> str:
 
 
 def _command(
-    source: Path, output: Path, *, isa: str | None = None, cxx: str | None = None, link: bool = True
+    source: Path,
+    output: Path,
+    *,
+    isa: str | None = None,
+    cxx: str | None = None,
+    link: bool = True,
+    torch_lib: Path | None = None,
 ) -> list[str]:
-    """The compiler command for `isa` (default: this process's path); `link=False`: an object file only (a cross
-    compiler's check, tests/stages/test_kernels.py: torch's libraries here are this machine's)."""
+    """The compiler command for `isa` (default: this process's path); `link=False`: an object file only;
+    `torch_lib`: link against another machine's torch libraries of the same version (a cross compiler's build,
+    tests/stages/test_aarch64.py: the headers are the same, the libraries here are this machine's)."""
     # torch's own layout (what torch.utils.cpp_extension uses, without importing it: it imports
     # setuptools, which patches distutils in every server process that enables the kernels).
     root = Path(torch.__file__).parent
-    includes, torch_lib = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include"), root / "lib"
+    includes = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include")
+    torch_lib = torch_lib or root / "lib"
     libraries = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"]
     return [
         # -ffp-contract=off: a multiply and an add are never fused behind our back, so a loop gives the same
