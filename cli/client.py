@@ -20,8 +20,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from contracts.encoding import OUTPUT_KEY, ImageOutput
-from contracts.provenance import ImageRecord, ProvenanceError, StageRecord, differences, read_chunks, read_record
+from contracts.provenance import (
+    OUTPUT_KEY,
+    ImageOutput,
+    ImageRecord,
+    ProvenanceError,
+    StageRecord,
+    differences,
+    read_chunks,
+    read_record,
+)
 from contracts.sampling import image_fields
 
 #: Seconds a request may take (a cold app builds its models on the first request).

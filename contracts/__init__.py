@@ -15,8 +15,7 @@ envs        every environment variable the project reads
 """
 
 from .invariance import SeedContractError, resolve_batch_invariant, validate_seed_contract
-from .sampling import DiffusionSamplingParams, LLMSamplingParams
-from .seeds import MAX_SEED, MIN_SEED
+from .sampling import MAX_SEED, MIN_SEED, DiffusionSamplingParams, LLMSamplingParams
 
 __all__ = [
     "MAX_SEED",

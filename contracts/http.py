@@ -36,9 +36,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .config import ParallelDegrees
-from .encoding import DEFAULT_COMPRESSION, Compression, ImageOutput, OutputFormat
 from .errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError, invalid_request
 from .images import MAX_IMAGE_BYTES
+from .provenance import DEFAULT_COMPRESSION, Compression, ImageOutput, OutputFormat
 from .results import Usage
 from .sampling import (
     MAX_LATENT_VALUES,
@@ -61,6 +61,7 @@ from .sampling import (
     Prompt,
     RepetitionPenalty,
     ReportedQuality,
+    Seed,
     StopList,
     StopText,
     Temperature,
@@ -69,7 +70,6 @@ from .sampling import (
     image_fields,
     optional_model,
 )
-from .seeds import Seed
 
 MAX_IMAGES = 8
 MiB = 2**20

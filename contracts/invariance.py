@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from . import envs
 from .errors import InvalidRequestError
-from .sampling import GENERATOR_HINT
-from .seeds import MAX_SEED, MIN_SEED, is_valid_seed, seed_range_message
+from .sampling import GENERATOR_HINT, MAX_SEED, MIN_SEED, is_valid_seed, seed_range_message
 
 __all__ = ["MAX_SEED", "MIN_SEED", "STAGES", "SeedContractError", "resolve_batch_invariant", "validate_seed_contract"]
 

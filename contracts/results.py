@@ -138,7 +138,7 @@ class RenderProgress(Result):
 
 
 class RenderCheckpoint(Result):
-    """A render's whole state after `step` of its `steps` steps (`stages.diffusion.engine.checkpoint`), sent in its
+    """A render's whole state after `step` of its `steps` steps (`stages.diffusion.engine.sample`), sent in its
     stream when its job asks (`RenderJob.checkpoint_every`). A replica of the same stage identity (`made_by`: model,
     switch and kernels) resumes it from there with the uninterrupted render's bytes; another starts it anew."""
 

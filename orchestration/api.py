@@ -51,7 +51,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from contracts.encoding import MEDIA_TYPES
 from contracts.errors import InvalidRequestError, invalid_request
 from contracts.http import (
     BODY_RULES,
@@ -70,6 +69,7 @@ from contracts.http import (
     decode_json,
 )
 from contracts.images import check_image_bytes
+from contracts.provenance import MEDIA_TYPES
 from contracts.videos import Video, VideoCreateRequest, VideoDeleted
 
 from .drain import Drain, DrainGate

@@ -59,7 +59,7 @@ PUBLIC_DETAILS = (
     "vllm_version",
     "startup_s",
     "defaults",
-    "capabilities",  # what the model can render (contracts.capabilities), as admission and the OpenAPI document read it
+    "capabilities",  # what the model can render (contracts.admission), as admission and the OpenAPI document read it
     "batching",
     "problem",
     "in_flight",

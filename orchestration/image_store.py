@@ -1,6 +1,6 @@
 """The image store behind `response_format: "url"`: delivered files kept for a while, served at `GET /v1/images/{id}`.
 
-    ImageStore.put(file) -> id        keep a file (`contracts.encoding.ImageFile`); its id is 128 random bits
+    ImageStore.put(file) -> id        keep a file (`contracts.provenance.ImageFile`); its id is 128 random bits
     ImageStore.get(id) -> ImageFile   the file, or None once it expired, was dropped, or never was
 
 One deployment of one replica, not a cache in each ingress replica: Serve's proxy sends a URL's GET to any ingress
@@ -21,8 +21,8 @@ from collections import OrderedDict
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from contracts.encoding import ImageFile
 from contracts.errors import NotFoundError
+from contracts.provenance import ImageFile
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})

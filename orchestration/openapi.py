@@ -22,10 +22,9 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
-from contracts.capabilities import ModelCapabilities
+from contracts.admission import ModelCapabilities
 from contracts.http import ChatCompletionChunk, ImageCompletedEvent, ImagePartialEvent
-from contracts.sampling import MAX_INFERENCE_STEPS
-from contracts.seeds import MAX_SEED, MIN_SEED
+from contracts.sampling import MAX_INFERENCE_STEPS, MAX_SEED, MIN_SEED
 from contracts.videos import MAX_SECONDS
 
 from .config import AppConfig

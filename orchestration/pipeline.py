@@ -31,14 +31,12 @@ from typing import Any, cast
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from contracts.admission import admit_llm_params
-from contracts.encoding import ImageFile, ImageOutput, deliver
 from contracts.http import ChatCompletionRequest, ImageEditRequest, ImageGenerationRequest, requested_size
 from contracts.images import admit_image, edit_size
 from contracts.jobs import RenderJob, final
-from contracts.provenance import ImageOrigin
+from contracts.provenance import ImageFile, ImageOrigin, ImageOutput, deliver
 from contracts.results import Completion, CompletionDelta, PartialImage, RenderedImage, RenderMoved, RevisedPrompt
-from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
-from contracts.seeds import seed_or_picked, seeds_for_request
+from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams, seed_or_picked, seeds_for_request
 
 from .config import AppConfig
 from .result_cache import ResultCache, chat_key, image_key
@@ -57,7 +55,7 @@ class ImagePlan:
     diffusion_params: list[DiffusionSamplingParams]  # per image
     image: bytes | None = None  # an edit's image (None: a generation)
     partial_images: int = 0  # previews per image before it (a streamed request's; 0: the image alone)
-    output: ImageOutput = ImageOutput()  # the file each image is delivered as (`contracts.encoding`)
+    output: ImageOutput = ImageOutput()  # the file each image is delivered as (`contracts.provenance`)
     fresh: bool = False  # rendered whatever the result cache keeps (`Cache-Control: no-cache`), and kept anew
 
     @property
@@ -81,7 +79,7 @@ class ImageResult:
     image: RenderedImage
     rewrite: RevisedPrompt | None  # None when enhancement was skipped
     cache: str | None = None  # the ingress's result cache: "hit", "miss"; None: no cache
-    file: ImageFile | None = None  # the file delivered (`contracts.encoding`); None: the stage's PNG itself
+    file: ImageFile | None = None  # the file delivered (`contracts.provenance`); None: the stage's PNG itself
 
     @property
     def delivered(self) -> ImageFile:

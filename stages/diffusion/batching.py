@@ -24,7 +24,7 @@ from ray import serve
 from contracts.config import DiffusionStageConfig
 from contracts.results import PartialImage, RenderCheckpoint, RenderMoved, RenderProgress
 from stages.diffusion.engine import Sample, StepEngine
-from stages.diffusion.engine.checkpoint import Moved
+from stages.diffusion.engine.sample import Moved
 from stages.metrics import record_queue_wait
 from stages.serve_replica import ReplicaLifecycle
 

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contracts.capabilities import ModelCapabilities
+from contracts.admission import ModelCapabilities
 from contracts.config import DiffusionStageConfig
 from contracts.cpu import hold_process_to_path
 from contracts.errors import InvalidRequestError
 from contracts.provenance import ImageOrigin, ImageRecord
-from contracts.sampling import DiffusionSamplingParams, LoraChoice, StepCache, quality_steps
-from contracts.seeds import seed_or_picked
+from contracts.sampling import DiffusionSamplingParams, LoraChoice, StepCache, quality_steps, seed_or_picked
 from stages.diffusion.engine import family_for
 from stages.diffusion.engine.families import Family, vae_slicing
 from stages.diffusion.engine.sample import seeded_generator
@@ -239,7 +238,7 @@ def step_engine_only(param: str, what: str, model: str) -> InvalidRequestError:
 
 
 def capabilities(pipe, model: str, family: Family | None, config: DiffusionStageConfig) -> ModelCapabilities:
-    """What this loaded model can render (`contracts.capabilities`), read from its pipeline once."""
+    """What this loaded model can render (`contracts.admission`), read from its pipeline once."""
     # Sizes must be whole latent patches: the VAE's factor times the DiT's patch size, or, where the family packs 2x2
     # latent pixels into one token (FLUX, Qwen-Image), times that packing (their transformer's patching).
     packing = family.latent_packing if family is not None else 1

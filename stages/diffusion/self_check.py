@@ -17,9 +17,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from contracts.sampling import DiffusionSamplingParams
+from contracts.sampling import DiffusionSamplingParams, seed_for_image
 from contracts.scope import Configuration, SelfCheck, load_golden
-from contracts.seeds import seed_for_image
 
 from .engine import Sample
 

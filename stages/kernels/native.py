@@ -87,6 +87,13 @@ def cpu_isa() -> str:
         raise KernelBuildError(str(err)) from None
 
 
+def torch_includes() -> tuple[Path, Path]:
+    """torch's C++ headers, in torch's own layout (what torch.utils.cpp_extension uses, without importing it: it
+    imports setuptools, which patches distutils in every server process that enables the kernels)."""
+    root = Path(torch.__file__).parent
+    return root / "include", root / "include" / "torch" / "csrc" / "api" / "include"
+
+
 def _command(
     source: Path,
     output: Path,
@@ -99,11 +106,7 @@ def _command(
     """The compiler command for `isa` (default: this process's path); `link=False`: an object file only;
     `torch_lib`: link against another machine's torch libraries of the same version (a cross compiler's build,
     tests/stages/test_aarch64.py: the headers are the same, the libraries here are this machine's)."""
-    # torch's own layout (what torch.utils.cpp_extension uses, without importing it: it imports
-    # setuptools, which patches distutils in every server process that enables the kernels).
-    root = Path(torch.__file__).parent
-    includes = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include")
-    torch_lib = torch_lib or root / "lib"
+    torch_lib = torch_lib or Path(torch.__file__).parent / "lib"
     libraries = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"]
     return [
         # -ffp-contract=off: a multiply and an add are never fused behind our back, so a loop gives the same
@@ -118,7 +121,7 @@ def _command(
         "-w",
         *_ISA_COMPILER_FLAGS[isa or cpu_isa()],
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{path}" for path in includes),
+        *(f"-I{path}" for path in torch_includes()),
         str(source),
         *(libraries if link else []),
         "-o",

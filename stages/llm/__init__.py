@@ -15,8 +15,7 @@ Requests arrive as plain data (`LLMSamplingParams` or a mapping of its fields); 
 (`contracts.results`): token ids, float logprobs, text.
 """
 
-from .engine import LLMEngine
-from .requests import DEFAULT_SYSTEM_PROMPT, LLMRequests
+from .engine import DEFAULT_SYSTEM_PROMPT, LLMEngine, LLMRequests
 from .settings import INVARIANT_CPU_ENGINE_ARGS, EngineSettings, ModelChoice, engine_settings, resolve_model
 from .stage import LLMStage
 

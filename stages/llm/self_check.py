@@ -25,7 +25,7 @@ from contracts.sampling import LLMSamplingParams
 from contracts.scope import Configuration, GoldenColumn, SelfCheck, load_golden
 
 from .co_batched import generate_co_batched
-from .requests import LLMRequests
+from .engine import LLMRequests
 
 PROMPT = "a red fox in the snow"
 SEED = 1234

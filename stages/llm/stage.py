@@ -16,8 +16,7 @@ from stages import replica_id
 from stages.metrics import record, record_switch_state, timed_stage_call
 from stages.scope import llm_configuration, llm_scope
 
-from .engine import LLMEngine
-from .requests import LLMRequests
+from .engine import LLMEngine, LLMRequests
 from .self_audit import leave_kernels_out_under_test_fault, llm_self_audit
 from .self_check import llm_self_check
 

@@ -1,4 +1,4 @@
-"""The delivered file (`contracts.encoding`): the stage's PNG, or its pixels as JPEG or WebP with fixed encoder
+"""The delivered file (`contracts.provenance`): the stage's PNG, or its pixels as JPEG or WebP with fixed encoder
 settings, the same bytes every time, the provenance carried in XMP and read back."""
 
 import io
@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from contracts.encoding import ImageOutput, deliver
-from contracts.provenance import read_xmp
-from contracts.provenance import CHUNKS, ImageOrigin, ImageRecord, ProvenanceError, read_chunks, read_record
+from contracts.provenance import (
+    CHUNKS,
+    ImageOrigin,
+    ImageOutput,
+    ImageRecord,
+    ProvenanceError,
+    deliver,
+    read_chunks,
+    read_record,
+    read_xmp,
+)
 from tests.contracts.test_provenance import DIFFUSION, PARAMS, REWRITE, png
 
 RECORD = ImageRecord.of("a fox, snow", PARAMS, DIFFUSION, ImageOrigin.of('a fox <&> "quoted" ü', REWRITE))
@@ -66,7 +74,7 @@ def test_an_altered_transcoded_file_is_refused(source):
 
 _ENCODE = """
 import sys
-from contracts.encoding import ImageOutput, deliver
+from contracts.provenance import ImageOutput, deliver
 sys.stdout.write(deliver(sys.stdin.buffer.read(), ImageOutput("jpeg", 75)).sha256)
 """
 

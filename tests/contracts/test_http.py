@@ -6,7 +6,6 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from contracts.encoding import ImageOutput
 from contracts.errors import (
     InvalidRequestError,
     ModelNotFoundError,
@@ -25,20 +24,22 @@ from contracts.http import (
     is_request_error,
     parse_size,
 )
+from contracts.provenance import ImageOutput
 from contracts.sampling import (
     MAX_LATENT_VALUES,
     MAX_MESSAGE_CHARS,
     MAX_MESSAGES,
     MAX_NAME_CHARS,
     MAX_PROMPT_CHARS,
+    MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS,
     MAX_TOP_K,
+    MIN_SEED,
     DiffusionSamplingParams,
     quality_steps,
 )
-from contracts.seeds import MAX_SEED, MIN_SEED
 from contracts.videos import VideoCreateRequest
 
 OK = {"prompt": "a red fox in the snow"}

@@ -1,4 +1,4 @@
-"""The seed rules (contracts.seeds): the range, the server's pick, and each image's own seed."""
+"""The seed rules (contracts.sampling): the range, the server's pick, and each image's own seed."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contracts.seeds import MAX_SAFE_SEED, MAX_SEED, MIN_SEED, pick_seed, seed_for_image, seeds_for_request
+from contracts.sampling import MAX_SAFE_SEED, MAX_SEED, MIN_SEED, pick_seed, seed_for_image, seeds_for_request
 
 seeds = st.integers(MIN_SEED, MAX_SEED)
 
@@ -31,7 +31,7 @@ def test_seed_for_image_stays_in_the_seed_range_and_derived_ones_are_json_safe(s
 def test_seed_for_image_is_the_same_in_another_process_with_another_hash_seed():
     # A rule built on hash() or on process state would differ here: each image must reproduce anywhere.
     cases = [(MIN_SEED, 1), (-1, 3), (0, 1), (42, 7), (2**63, 2), (MAX_SEED, 5)]
-    code = "import json, sys; from contracts.seeds import seed_for_image; print(json.dumps([seed_for_image(s, i) for s, i in json.loads(sys.argv[1])]))"
+    code = "import json, sys; from contracts.sampling import seed_for_image; print(json.dumps([seed_for_image(s, i) for s, i in json.loads(sys.argv[1])]))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     done = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, timeout=60, env=env,
                           cwd=Path(__file__).resolve().parents[2])

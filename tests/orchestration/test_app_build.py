@@ -14,7 +14,7 @@ from contracts.config import DiffusionStageConfig, LLMStageConfig, VideoStageCon
 from contracts.errors import InvalidRequestError
 from contracts.http import ChatCompletionRequest, ImageGenerationRequest
 from contracts.invariance import SeedContractError, Switches
-from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
+from contracts.sampling import MAX_SAFE_SEED, seeds_for_request
 from orchestration.app import app_builder, build_app
 from orchestration.config import DEPLOYMENT_NAMES, VIDEO_JOBS_NAME, AppConfig
 from orchestration.pipeline import admit_chat, admit_images

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from contracts.invariance import MAX_SEED, MIN_SEED
-from contracts.seeds import MAX_SAFE_SEED, seeds_for_request
+from contracts.sampling import MAX_SAFE_SEED, seeds_for_request
 from tests.openai_types import read_as_openai
 from tests.scope_facts import by_users_records, record_gap
 
@@ -136,8 +136,8 @@ def test_the_default_draws_the_prompt_and_the_rewrite_changes_what_it_draws(http
     import numpy as np
     from PIL import Image
 
-    from training.rewriter import keeps_words
     from stages.embedded.shapes import CENTRE, Scene, centroid, drawn_area, drawn_as_said
+    from training.rewriter import keeps_words
 
     from .test_rewriter_http import CAPTION
 
@@ -345,7 +345,7 @@ def test_openapi_documents_request_and_response_schemas(http):
 
 
 def test_the_models_capabilities_are_one_fact_for_health_the_document_and_admission(http):
-    """What the diffusion replica's model can render (contracts.capabilities), computed once at load: /health shows it
+    """What the diffusion replica's model can render (contracts.admission), computed once at load: /health shows it
     and the OpenAPI document states it (admission refusing by it: tests/stages/test_model_directory.py)."""
     capabilities = http.get("/health").json()["stages"]["diffusion"]["describe"]["details"]["capabilities"]
     assert capabilities["family"] == "UNetFamily" and capabilities["per_sample"] and capabilities["size_multiple"] == 8

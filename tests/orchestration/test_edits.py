@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from contracts.seeds import seeds_for_request
+from contracts.sampling import seeds_for_request
 
 from .conftest import STEPS, TIMEOUT_S
 

@@ -33,8 +33,8 @@ from contracts.errors import (
 )
 from contracts.http import BODY_RULES, MAX_JSON_BODY_BYTES, ImagesResponse
 from contracts.invariance import SeedContractError
-from orchestration.drain import Drain
 from contracts.sampling import DiffusionSamplingParams, LLMSamplingParams
+from orchestration.drain import Drain
 from orchestration.errors import http_error
 
 
@@ -147,7 +147,7 @@ def test_vllm_refusing_sampling_params_is_an_invalid_request_naming_the_field(fi
     pytest.importorskip("vllm")
     from vllm import SamplingParams
 
-    from stages.llm.requests import refused_by_vllm
+    from stages.llm.engine import refused_by_vllm
 
     with pytest.raises(InvalidRequestError) as caught, refused_by_vllm("messages", kinds=(ValueError, TypeError)):
         SamplingParams(**fields)
@@ -159,7 +159,7 @@ def test_vllm_refusing_the_prompt_names_the_requests_prompt_field():
     pytest.importorskip("vllm")
     from vllm.exceptions import VLLMValidationError
 
-    from stages.llm.requests import refused_by_vllm
+    from stages.llm.engine import refused_by_vllm
 
     with pytest.raises(InvalidRequestError) as caught, refused_by_vllm("prompt"):
         raise VLLMValidationError("The decoder prompt (length 2000) is longer than the maximum model length of 1024.")
@@ -170,7 +170,7 @@ def test_a_server_failure_inside_vllm_is_not_made_the_clients():
     pytest.importorskip("vllm")
     from vllm.v1.engine.exceptions import EngineGenerateError
 
-    from stages.llm.requests import refused_by_vllm
+    from stages.llm.engine import refused_by_vllm
 
     for failure in (EngineGenerateError(), ValueError("a bug while generating")):
         with pytest.raises(type(failure)), refused_by_vllm("messages"):

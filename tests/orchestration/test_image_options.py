@@ -10,8 +10,7 @@ import io
 import pytest
 from PIL import Image
 
-from contracts.encoding import OUTPUT_KEY, ImageOutput
-from contracts.provenance import read_chunks, read_record
+from contracts.provenance import OUTPUT_KEY, ImageOutput, read_chunks, read_record
 
 from .conftest import STEPS, TIMEOUT_S
 from .test_app_e2e import concurrently, generate, png
@@ -100,7 +99,7 @@ def test_url_responses_link_to_the_bytes_the_response_names(server, http):
 
 
 def test_the_image_store_keeps_files_within_its_bytes_and_time(monkeypatch):
-    from contracts.encoding import ImageFile
+    from contracts.provenance import ImageFile
     from orchestration import image_store
 
     now = [100.0]

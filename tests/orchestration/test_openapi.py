@@ -7,7 +7,7 @@ import pytest
 
 from contracts.http import MiB
 from contracts.images import MAX_IMAGE_BYTES
-from contracts.seeds import MAX_SEED, MIN_SEED
+from contracts.sampling import MAX_SEED, MIN_SEED
 from orchestration.config import AppConfig
 from orchestration.openapi import served_schema
 

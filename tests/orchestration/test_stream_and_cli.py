@@ -16,7 +16,7 @@ from PIL.PngImagePlugin import PngInfo
 
 from cli.main import main
 from contracts.provenance import RECORD_CHUNK, ImageRecord, read_chunks, read_record
-from contracts.seeds import seeds_for_request
+from contracts.sampling import seeds_for_request
 from tests.openai_types import read_as_openai
 
 from .conftest import STEPS, TIMEOUT_S

@@ -43,9 +43,8 @@ def _run(command: list[str], **kwargs) -> str:
 
 
 def _torch_flags(torch_lib: Path) -> list[str]:
-    root = Path(torch.__file__).parent
     return [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-std=c++20", "-O2",
-            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            *(f"-I{path}" for path in native.torch_includes()),
             f"-L{torch_lib}", "-Wl,--no-as-needed", "-ltorch_cpu", "-lc10"]
 
 

@@ -1,4 +1,4 @@
-"""Step-boundary checkpoints (stages.diffusion.engine.checkpoint): a sample exported at step k and resumed on another
+"""Step-boundary checkpoints (stages.diffusion.engine.sample): a sample exported at step k and resumed on another
 engine, co-batched with unlike neighbours, ends with exactly the bytes of its uninterrupted render; and the video
 stage's own (`VideoStage.render`, in process): its checkpoints in its stream, resumed by a replica of its identity
 with the uninterrupted MP4's bytes, rendered anew by one of another.
@@ -24,7 +24,7 @@ from contracts.results import RenderCheckpoint, RenderedVideo, RenderProgress
 from contracts.sampling import DiffusionSamplingParams, StepCache
 from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import Sample, StepEngine
-from stages.diffusion.engine.checkpoint import Moved
+from stages.diffusion.engine.sample import Moved
 from stages.kernels import disable_batch_invariant_kernels
 from tests.stages.conftest import DIT, UNET
 

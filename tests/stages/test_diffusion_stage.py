@@ -16,8 +16,7 @@ from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError, QueueFullError
 from contracts.jobs import RenderJob
 from contracts.results import RenderedImage, StageDescription
-from contracts.sampling import DiffusionSamplingParams
-from contracts.seeds import MAX_SAFE_SEED
+from contracts.sampling import MAX_SAFE_SEED, DiffusionSamplingParams
 from stages.diffusion import DiffusionStage
 from stages.embedded import embedded_models
 

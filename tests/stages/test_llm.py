@@ -15,14 +15,13 @@ from contracts.config import LLMStageConfig
 from contracts.jobs import final
 from contracts.results import Completion, Generation
 from evidence.llm import batch_orders
-from stages.llm.self_audit import count_differences
-from stages.llm.self_check import NEIGHBOURS
 from stages.embedded import EMBEDDED_MODELS, MARKER, embedded_models
 from stages.embedded import llm as embedded
 from stages.kernels import vllm_cpu
 from stages.llm import INVARIANT_CPU_ENGINE_ARGS, LLMEngine, ModelChoice, engine_settings, resolve_model
-from stages.llm.engine import finished
-from stages.llm.requests import DEFAULT_SYSTEM_PROMPT, FreeRewrite, LLMRequests
+from stages.llm.engine import DEFAULT_SYSTEM_PROMPT, FreeRewrite, LLMRequests, finished
+from stages.llm.self_audit import count_differences
+from stages.llm.self_check import NEIGHBOURS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHOICE = ModelChoice("/models/tiny", "embedded:tiny-llama", True)

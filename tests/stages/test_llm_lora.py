@@ -12,13 +12,12 @@ import torch
 from safetensors.torch import save_file
 
 from contracts.config import LLMStageConfig
-from stages.embedded import embedded_models
 from contracts.jobs import final
 from contracts.results import Completion
 from contracts.sampling import LLMSamplingParams
-from stages.llm.engine import LLMEngine
+from stages.embedded import embedded_models
+from stages.llm.engine import LLMEngine, LLMRequests
 from stages.llm.lora import LlmLoraNotFoundError
-from stages.llm.requests import LLMRequests
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Per-sample step caching (stages/diffusion/engine/step_cache.py) on the step engine: a cached sample co-batched with
+"""Per-sample step caching (stages/diffusion/engine/sample.py) on the step engine: a cached sample co-batched with
 unlike neighbours (other prompts, seeds, step counts, cache settings) gives its solo bytes, kernels on, on the trained
 default UNet and the tiny FLUX DiT. The control is the decision TeaCache makes from a batch-wide mean
 (ali-vilab/TeaCache #30), in an engine that differs from the served one in that alone: the same co-batched sample then
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from contracts.capabilities import ModelCapabilities
+from contracts.admission import ModelCapabilities
 from contracts.config import DiffusionStageConfig
 from contracts.errors import InvalidRequestError
 from contracts.provenance import ImageRecord, read_record
@@ -17,7 +17,7 @@ from contracts.sampling import DiffusionSamplingParams, StepCache
 from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import Sample, StepEngine
 from stages.diffusion.engine.families import SDXLFamily
-from stages.diffusion.engine.step_cache import relative_l1
+from stages.diffusion.engine.sample import relative_l1
 from stages.diffusion.renderer import encode_png, step_cache
 from stages.kernels import disable_batch_invariant_kernels
 

@@ -27,9 +27,8 @@ from typing import Any, cast
 
 import torch
 
-from .checkpoint import Moved, export_state, resume
 from .families import Family
-from .sample import Sample
+from .sample import Moved, Sample
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,7 +45,7 @@ def take_joining(waiting: deque[Sample], most: int) -> list[Sample]:
 
 def each_decides(family: Family, batch: list[Sample]) -> list[Sample]:
     """The samples whose rows join this step's denoiser call: with step caching, each decides from its own values
-    alone (stages.diffusion.engine.step_cache), so the decision, like its bits, never follows its neighbours."""
+    alone (stages.diffusion.engine.sample), so the decision, like its bits, never follows its neighbours."""
     return [s for s in batch if s.cache is None or s.cache.computes(family.cache_signal(s), s.step, len(s.timesteps))]
 
 
@@ -159,7 +158,7 @@ class StepEngine:
             self.family.condition(joining)  # their adapters, then `encode`
             for sample in joining:
                 self.family.prepare(sample)
-                resume(sample)  # a sample moved from another replica goes on from the step it had reached
+                sample.restore()  # a sample moved from another replica goes on from the step it had reached
         except Exception as exc:
             self._fail(joining, exc)
             return
@@ -250,7 +249,7 @@ def _checkpoint(sample: Sample) -> None:
     if sample.on_checkpoint is None or not every or sample.step % every or sample.finished or sample.cancelled:
         return
     try:
-        sample.on_checkpoint(sample.step, export_state(sample))
+        sample.on_checkpoint(sample.step, sample.export_state())
     except Exception:
         logger.exception("a step-boundary checkpoint failed")
 

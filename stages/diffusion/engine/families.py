@@ -49,8 +49,7 @@ from stages.diffusers_private import lend_flux_img2img, lend_qwen_img2img, sdxl_
 from ..lora import FamilyAdapters
 from .img2img import prepare_edit
 from .packing import PackedFluxAttnProcessor, PackedQwenAttnProcessor, PackedRows, PackedStreams, padded
-from .sample import Sample, seeded_generator
-from .step_cache import CachedSteps
+from .sample import CachedSteps, Sample, seeded_generator
 
 #: From this many pixels per image the VAE decodes a batch one image at a time: a batched decode's
 #: full-resolution activations outgrow the CPU caches (measured, tiny DiT at 256x256: 0.93x per image at
