@@ -28,7 +28,7 @@ TIMEOUT_S = 600
 IDLE_S = 5.0
 
 HOOK = """
-import json, os, sys, threading, time
+import atexit, json, os, sys, threading, time
 _ROOTS = tuple(os.path.join({root!r}, p) + os.sep for p in {packages!r})
 _OUT = os.path.join({out!r}, f"{{os.getpid()}}.json")
 _seen = {{}}
@@ -41,17 +41,22 @@ def _profile(frame, event, arg):
 
 
 def _dump():
+    snapshot = {{name: sorted(ticks) for name, ticks in list(_seen.items())}}
+    with open(_OUT + ".tmp", "w") as f:
+        json.dump(snapshot, f)
+    os.replace(_OUT + ".tmp", _OUT)
+
+
+def _dump_often():
     while True:
         time.sleep(0.5)
-        snapshot = {{name: sorted(ticks) for name, ticks in list(_seen.items())}}
-        with open(_OUT + ".tmp", "w") as f:
-            json.dump(snapshot, f)
-        os.replace(_OUT + ".tmp", _OUT)
+        _dump()
 
 
 sys.setprofile(_profile)
 threading.setprofile(_profile)
-threading.Thread(target=_dump, daemon=True).start()
+threading.Thread(target=_dump_often, daemon=True).start()
+atexit.register(_dump)  # a process that ends between two dumps
 """
 
 
@@ -89,24 +94,34 @@ def measure(trace_dir: Path, base: str) -> None:
         image(http, nonce + 1)
         end = time.time()
     time.sleep(1.5)  # the next dumps
-    window = range(int(start * 100), int(end * 100) + 1)
-    idle = range(int(idle_from * 100), int(start * 100))
-    first: dict[str, int] = {}
-    functions: dict[str, list[str]] = {}
-    idle_files: set[str] = set()
-    for (name, function), ticks in ticks_by_function(trace_dir).items():
-        if any(t in idle for t in ticks):
-            idle_files.add(name)
-        during = [t for t in ticks if t in window]
-        if during:
-            first[name] = min(first.get(name, during[0]), during[0])
-            functions.setdefault(name, []).append(function)
-    called = sorted(first, key=first.__getitem__)
+    called, idle_files, functions = called_during(
+        ticks_by_function(trace_dir),
+        window=range(int(start * 100), int(end * 100) + 1),
+        idle=range(int(idle_from * 100), int(start * 100)),
+    )
     only = [name for name in called if name not in idle_files]
     print(f"one image request, {end - start:.2f} s: {len(called)} files called, {len(only)} of them only by it")
     for name in called:
         print(f"  {Path(name).relative_to(ROOT)}{'   (also called while idle)' if name in idle_files else ''}")
         print(f"      {', '.join(sorted(set(functions[name])))}")
+
+
+def called_during(
+    ticks: dict[tuple[str, str], set[int]], window: range, idle: range
+) -> tuple[list[str], set[str], dict[str, list[str]]]:
+    """The files with a function called in `window`, in the order first called; those with any function called in
+    `idle` too; and each file's functions called in `window`."""
+    first: dict[str, int] = {}
+    functions: dict[str, list[str]] = {}
+    idle_files: set[str] = set()
+    for (name, function), called in ticks.items():
+        if any(t in idle for t in called):
+            idle_files.add(name)
+        during = [t for t in called if t in window]
+        if during:
+            first[name] = min(first.get(name, min(during)), min(during))
+            functions.setdefault(name, []).append(function)
+    return sorted(first, key=first.__getitem__), idle_files, functions
 
 
 def main() -> None:
