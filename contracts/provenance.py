@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from PIL.PngImagePlugin import PngImageFile
 
 FORMAT: Final = "omniserve.image/1"
-#: The XMP namespace of the provenance a transcoded JPEG or WebP carries (`contracts.provenance` writes it).
+#: The XMP namespace of the provenance a transcoded JPEG or WebP carries (`deliver` below writes it).
 XMP_NAMESPACE: Final = "urn:omniserve:image:1"
 #: The chunks, by keyword.
 RECORD_CHUNK = "omniserve"
@@ -223,7 +223,7 @@ def _sha256(data: bytes) -> str:
 
 def read_chunks(file: bytes) -> tuple[dict[str, str], tuple[int, int]]:
     """The provenance texts of an image file and its (width, height): a PNG's text chunks, or the XMP elements of a
-    JPEG or WebP the ingress transcoded (`contracts.provenance`); ProvenanceError when it is none of those."""
+    JPEG or WebP the ingress transcoded (`deliver`); ProvenanceError when it is none of those."""
     from PIL import Image, UnidentifiedImageError
 
     try:

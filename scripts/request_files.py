@@ -25,6 +25,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("contracts", "stages", "orchestration", "examples", "cli")
 TIMEOUT_S = 600
+#: The trace's clock: ticks per second (a hundredth of a second), in the hook and in the windows read from it.
+TICKS_PER_S = 100
 IDLE_S = 5.0
 
 HOOK = """
@@ -37,7 +39,7 @@ _seen = {{}}
 def _profile(frame, event, arg):
     if event == "call" and frame.f_code.co_filename.startswith(_ROOTS):
         code = frame.f_code
-        _seen.setdefault(f"{{code.co_filename}}:{{code.co_qualname}}", set()).add(int(time.time() * 100))
+        _seen.setdefault(f"{{code.co_filename}}:{{code.co_qualname}}", set()).add(int(time.time() * {ticks_per_s}))
 
 
 def _dump():
@@ -62,7 +64,7 @@ atexit.register(_dump)  # a process that ends between two dumps
 
 def write_hook(trace_dir: Path) -> None:
     trace_dir.mkdir(parents=True, exist_ok=True)
-    hook = HOOK.format(root=str(ROOT), packages=PACKAGES, out=str(trace_dir))
+    hook = HOOK.format(root=str(ROOT), packages=PACKAGES, out=str(trace_dir), ticks_per_s=TICKS_PER_S)
     (trace_dir / "sitecustomize.py").write_text(hook)
     print(f"PYTHONPATH={trace_dir} make serve")
 
@@ -96,8 +98,8 @@ def measure(trace_dir: Path, base: str) -> None:
     time.sleep(1.5)  # the next dumps
     called, idle_files, functions = called_during(
         ticks_by_function(trace_dir),
-        window=range(int(start * 100), int(end * 100) + 1),
-        idle=range(int(idle_from * 100), int(start * 100)),
+        window=range(int(start * TICKS_PER_S), int(end * TICKS_PER_S) + 1),
+        idle=range(int(idle_from * TICKS_PER_S), int(start * TICKS_PER_S)),
     )
     only = [name for name in called if name not in idle_files]
     print(f"one image request, {end - start:.2f} s: {len(called)} files called, {len(only)} of them only by it")
@@ -119,7 +121,8 @@ def called_during(
             idle_files.add(name)
         during = [t for t in called if t in window]
         if during:
-            first[name] = min(first.get(name, min(during)), min(during))
+            earliest = min(during)
+            first[name] = min(first.get(name, earliest), earliest)
             functions.setdefault(name, []).append(function)
     return sorted(first, key=first.__getitem__), idle_files, functions
 

@@ -125,7 +125,9 @@ def videos(url: str, together: bool) -> list[str]:
 
 def test_videos_on_a_grid_over_http_are_the_one_worker_apps_bytes(serve_instance):
     video = {**STAGE, "defaults": {"num_inference_steps": 2}}
-    images = {"diffusion": STAGE}  # the default model's stage, idle
+    # The image stage at no replicas (the videos never call it): four apps start no idle diffusion replica, each a
+    # process importing torch and diffusers for nothing (about 7 s of CPU each on this 2-core box).
+    images = {"diffusion": {**STAGE, "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}}
     with replicas.deployed(serve_instance, "one-worker", {**APP, **images, "video": video}) as url:
         expected = videos(url, together=False)
     for grid in GRIDS:

@@ -97,7 +97,7 @@ class Sample:
     on_partial: Callable[[int, Any], None] | None = None  # (partial index, float image) at `partial_steps`
     partial_steps: tuple[int, ...] = ()
     on_step: Callable[[int], None] | None = None  # (steps done) after each of its denoising steps: progress
-    # Step-boundary checkpoints (stages.diffusion.engine.sample): (steps done, state) after every
+    # Step-boundary checkpoints (`Sample.export_state`): (steps done, state) after every
     # `checkpoint_every` steps but the last; `resume`: a state it starts from instead of its first step.
     on_checkpoint: Callable[[int, bytes], None] | None = None
     checkpoint_every: int = 0
@@ -124,7 +124,7 @@ class Sample:
     steps_co_batched: int = 0
     # Forwards it waited through while others ran (ages it, so a long sample is never starved).
     skipped: int = 0
-    # Step caching (stages.diffusion.engine.sample), None: every step computed; and the steps whose denoiser call
+    # Step caching (`CachedSteps` above), None: every step computed; and the steps whose denoiser call
     # held its rows.
     cache: CachedSteps | None = None
     steps_computed: int = 0
