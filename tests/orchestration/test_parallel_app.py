@@ -24,9 +24,10 @@ _, DIT, _, FLUX, QWEN = embedded_models("diffusion")
 TIMEOUT_S = 240
 STAGE = {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.2}, "self_audit": "off", "warm_up": False,
          "max_batch_size": 4, "batch_wait_timeout_s": 1.0}
+#: A stage these tests never call: no replica until a request comes (none does).
+UNCALLED = {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
 APP = {
-    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.05},
-            "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}},
+    "llm": {"batch_invariant": True, "ray_actor_options": {"num_cpus": 0.05}, **UNCALLED},
     "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "request_timeout_s": TIMEOUT_S},
 }
 TRUE_CFG = {"negative_prompt": "blurry, low quality", "true_cfg_scale": 3.0}
@@ -127,7 +128,7 @@ def test_videos_on_a_grid_over_http_are_the_one_worker_apps_bytes(serve_instance
     video = {**STAGE, "defaults": {"num_inference_steps": 2}}
     # The image stage at no replicas (the videos never call it): four apps start no idle diffusion replica, each a
     # process importing torch and diffusers for nothing (about 7 s of CPU each on this 2-core box).
-    images = {"diffusion": {**STAGE, "autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}}
+    images = {"diffusion": {**STAGE, **UNCALLED}}
     with replicas.deployed(serve_instance, "one-worker", {**APP, **images, "video": video}) as url:
         expected = videos(url, together=False)
     for grid in GRIDS:

@@ -257,8 +257,7 @@ import sys, threading
 from contracts.config import DiffusionStageConfig
 from contracts.sampling import DiffusionSamplingParams
 from stages.diffusion import DiffusionRenderer
-from stages.diffusion.engine import StepEngine
-from stages.diffusion.engine.sample import Sample
+from stages.diffusion.engine import Sample, StepEngine
 
 def start_and_stop():
     renderer = DiffusionRenderer(DiffusionStageConfig(batch_invariant=False, torch_threads=1))
