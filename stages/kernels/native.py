@@ -100,12 +100,11 @@ def _command(
     *,
     isa: str | None = None,
     cxx: str | None = None,
-    link: bool = True,
     torch_lib: Path | None = None,
 ) -> list[str]:
-    """The compiler command for `isa` (default: this process's path); `link=False`: an object file only;
-    `torch_lib`: link against another machine's torch libraries of the same version (a cross compiler's build,
-    tests/stages/test_aarch64.py: the headers are the same, the libraries here are this machine's)."""
+    """The compiler command for `isa` (default: this process's path); `torch_lib`: link against another machine's
+    torch libraries of the same version (a cross compiler's build, tests/stages/test_aarch64.py: the headers are the
+    same, the libraries here are this machine's)."""
     torch_lib = torch_lib or Path(torch.__file__).parent / "lib"
     libraries = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"]
     return [
@@ -114,7 +113,7 @@ def _command(
         cxx or envs.read("CXX"),
         "-O3",
         "-std=c++20",
-        "-shared" if link else "-c",
+        "-shared",
         "-fPIC",
         "-fopenmp",
         "-ffp-contract=off",
@@ -123,18 +122,19 @@ def _command(
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in torch_includes()),
         str(source),
-        *(libraries if link else []),
+        *libraries,
         "-o",
         str(output),
     ]
 
 
-def library_path() -> Path:
-    """Where the library for this source, torch build and compiler command lives."""
+def library_path(isa: str | None = None) -> Path:
+    """Where the library for this source, torch build and compiler command of `isa` (default: this process's path)
+    lives."""
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(torch.__version__.encode())
-    digest.update(" ".join(_command(Path("SRC"), Path("OUT"))).encode())
+    digest.update(" ".join(_command(Path("SRC"), Path("OUT"), isa=isa)).encode())
     return envs.cache_root() / "kernels" / f"blocked-{digest.hexdigest()[:16]}.so"
 
 
@@ -160,9 +160,11 @@ def _why_not_use(path: Path) -> str | None:
     return None
 
 
-def build() -> Path:
-    """The compiled library: the cached one if it is trusted and intact, else compiled now (or refused)."""
-    path = library_path()
+def build(isa: str | None = None) -> Path:
+    """The compiled library for `isa` (default: this process's path): the cached one if it is trusted and intact, else
+    compiled now (or refused). Another path's library is built into the same cache, where a process held to that path
+    finds it (tests/stages/test_aarch64.py builds every path's; `make test`'s path loops then load them)."""
+    path = library_path(isa)
     if path.exists():
         reason = _why_not_use(path)
         if reason is None:
@@ -174,7 +176,7 @@ def build() -> Path:
     if distrust(path.parent):
         raise KernelBuildError(f"refusing to build the kernel library there: {distrust(path.parent)}")
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    command = _command(SOURCE, partial)
+    command = _command(SOURCE, partial, isa=isa)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as err:

@@ -764,23 +764,6 @@ def test_kernels_off_control_mkls_own_choice_follows_the_instructions_it_may_use
                               f"float32 attention and bmm under MKL_CBWR=AUTO, MKL_ENABLE_INSTRUCTIONS {list(runs)}")
 
 
-CROSS_COMPILER = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (make test installs it: `make toolchains`)
-
-
-@pytest.mark.path_independent
-def test_kernels_the_generic_path_compiles_for_aarch64(tmp_path):
-    import shutil
-    import subprocess
-
-    if shutil.which(CROSS_COMPILER) is None:
-        pytest.fail(f"{CROSS_COMPILER} is missing: `make toolchains` installs it (apt-get, as root)")
-    output = tmp_path / "blocked-aarch64.o"
-    command = native._command(native.SOURCE, output, isa="generic", cxx=CROSS_COMPILER, link=False)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert output.read_bytes()[:4] == b"\x7fELF" and output.read_bytes()[18] == 0xB7  # e_machine: EM_AARCH64
-
-
 @pytest.mark.path_independent
 def test_kernels_a_path_this_cpu_cannot_run_is_refused_naming_what_it_lacks(monkeypatch):
     # An AVX2-only CPU's flags (this one may run every path): the refusal is a rule on the flags, tested as such.
