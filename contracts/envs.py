@@ -202,6 +202,13 @@ VARIABLES: dict[str, Variable] = {
             "on, for its self-audit to catch",
         ),
         Variable(
+            "VLLM_RPC_BASE_PATH",
+            None,
+            _path,
+            "where vLLM names its IPC socket files (unset: the LLM stage sets a directory of each process's own, "
+            "removed when the process exits; vLLM's own default, /tmp, keeps them after the engine stops)",
+        ),
+        Variable(
             "VLLM_CPU_ATTN_SPLIT_KV",
             "1",
             _not_zero,

@@ -15,6 +15,7 @@ grammar (`stages.embedded.llm.StyleEnhancement`).
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -94,6 +95,21 @@ def workers_without_kernels(reports: list[dict], device: str) -> tuple[list[dict
     return missing, "vLLM's workers did not enter VLLM_BATCH_INVARIANT mode"
 
 
+#: vLLM names its client's and engine core's IPC socket files in VLLM_RPC_BASE_PATH (/tmp by default) and leaves them
+#: there when an engine stops (one run of the test suite left 120 in /tmp). Unless the variable is set (by the user, or
+#: inherited), a process's engines put them in a directory of the process's own, removed when it exits. One directory
+#: for the process's life, not one per engine: vLLM may cache its variables once a process has run an engine core, and
+#: a cached path must stay valid.
+_sockets: tempfile.TemporaryDirectory | None = None
+
+
+def keep_sockets_in_a_directory_of_this_process() -> None:
+    global _sockets
+    if _sockets is None and not envs.is_set("VLLM_RPC_BASE_PATH"):
+        _sockets = tempfile.TemporaryDirectory(prefix="omniserve-vllm-", ignore_cleanup_errors=True)
+        envs.assign("VLLM_RPC_BASE_PATH", _sockets.name)
+
+
 class LLMEngine:
     """One vLLM AsyncLLM engine, configured by an `LLMStageConfig` and the batch-invariance switch.
 
@@ -139,6 +155,7 @@ class LLMEngine:
         if current_platform.device_type != self.device:
             raise ValueError(f"device={self.device!r} but vLLM runs on {current_platform.device_type!r} here")
         started = time.monotonic()
+        keep_sockets_in_a_directory_of_this_process()
         with envs.overriding(self.settings.environment):
             self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.args))
         self._tokenizer = self._engine.get_tokenizer()

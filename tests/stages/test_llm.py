@@ -348,6 +348,43 @@ def test_llm_cpu_engine_switched_on_by_vllms_global_variable_serves_with_our_ker
     assert len(asyncio.run(served()).token_ids) == 4
 
 
+_SOCKETS_PROBE = """
+import asyncio, json, os
+from pathlib import Path
+from stages.llm import LLMEngine
+
+async def main():
+    engine = await LLMEngine({"torch_threads": 1, "batch_invariant": False}).start()
+    directory = Path(os.environ["VLLM_RPC_BASE_PATH"])
+    sockets = sorted(p.name for p in directory.iterdir() if p.is_socket())
+    engine.shutdown()
+    print(json.dumps({"directory": str(directory), "sockets": sockets}))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_llm_engine_sockets_live_in_a_directory_of_its_process_removed_when_it_exits(tmp_path):
+    """vLLM names its IPC socket files in VLLM_RPC_BASE_PATH (/tmp by default) and leaves them there: 120 were left in
+    /tmp by one run of this suite before. A real engine, started and stopped in a process of its own: its sockets were
+    in the process's directory, which is gone once the process exits; a place the user chose is kept."""
+    env = {name: value for name, value in os.environ.items() if name != "VLLM_RPC_BASE_PATH"}
+    done = subprocess.run([sys.executable, "-c", _SOCKETS_PROBE], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert Path(seen["directory"]).name.startswith("omniserve-vllm-") and seen["sockets"], seen
+    assert not Path(seen["directory"]).exists()
+    chosen = tmp_path / "mine"
+    chosen.mkdir()
+    code = ("import os; from stages.llm.engine import keep_sockets_in_a_directory_of_this_process as keep; keep(); "
+            "print(os.environ['VLLM_RPC_BASE_PATH'])")
+    said = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**env, "VLLM_RPC_BASE_PATH": str(chosen)}, check=True)
+    assert said.stdout.strip().splitlines()[-1] == str(chosen) and chosen.is_dir()
+
+
 def test_llm_requests_on_an_engine_that_is_not_started_are_refused():
     import asyncio
 
