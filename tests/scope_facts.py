@@ -1,9 +1,8 @@
 """What the shipped audit records can verify: a fact of the repository and of the kernel paths it was audited on.
 
 Records name the kernel path and ATen's level they were made on (stages/scope.py `hardware`); the shipped ones cover
-the default models on the avx2 and generic paths (`audited` in each says which machine made it); the avx512 ones
-predate the kernels' current source (made on an AMD EPYC with AVX-512 BF16, which that path needs) and cover nothing
-until they are made again there. An
+the default models on the avx2, avx512 and generic paths (`audited` in each says which machine made it: avx512 needs
+AVX-512 BF16, and its records were made on an AMD EPYC that has it). An
 audit refuses to record where its control never varies (evidence/record.py). On the avx2 path the default LLM's
 control never varies at its one thread (0 of 104 runs, on an AVX2 and an AVX-512 machine); that record rests on the
 control at two threads, where it varies, the kernels-on bits being equal at both (on generic and avx512 it varies at
