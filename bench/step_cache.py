@@ -31,7 +31,9 @@ from contracts.sampling import DiffusionSamplingParams, StepCache
 from evidence.report import environment
 from stages.diffusion import DiffusionRenderer
 from stages.diffusion.engine import Sample, StepEngine
-from stages.embedded import DEFAULT_MODELS, shapes
+from stages.embedded import DEFAULT_MODELS
+from stages.embedded.shapes import POSITIONS, SIZES
+from training.scenes import CENTRE, HELD_OUT, Scene, centroid, drawn_as_said
 
 OFF = "off"
 
@@ -40,14 +42,14 @@ def policy(setting: str) -> StepCache | None:
     return None if setting == OFF else StepCache(method="teacache", threshold=float(setting))
 
 
-def scenes(count: int, seed: int = 0) -> list[tuple[shapes.Scene, str]]:
+def scenes(count: int, seed: int = 0) -> list[tuple[Scene, str]]:
     """Held-out scenes of the shapes model with one of their captions (what the semantic rates read)."""
     rng = random.Random(seed)
-    held = sorted(shapes.HELD_OUT)
+    held = sorted(HELD_OUT)
     picked = []
     for i in range(count):
         shape, colour, background = held[i % len(held)]
-        scene = shapes.Scene(shape, colour, background, rng.choice(shapes.SIZES), rng.choice(shapes.POSITIONS))
+        scene = Scene(shape, colour, background, rng.choice(SIZES), rng.choice(POSITIONS))
         picked.append((scene, scene.caption(rng)))
     return picked
 
@@ -70,12 +72,12 @@ def ssim(a: np.ndarray, b: np.ndarray) -> float:
     return float(value.mean())
 
 
-def hits(image: np.ndarray, scene: shapes.Scene) -> tuple[bool, bool]:
+def hits(image: np.ndarray, scene: Scene) -> tuple[bool, bool]:
     """(colour on the background asked for, shape where asked): issue 15's pixel statistics."""
     uint8 = (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
-    cx, cy = shapes.centroid(uint8, scene.background)
-    nearest = min(shapes.CENTRE, key=lambda p: (shapes.CENTRE[p][0] - cx) ** 2 + (shapes.CENTRE[p][1] - cy) ** 2)
-    return shapes.drawn_as_said(uint8, scene), nearest == scene.position
+    cx, cy = centroid(uint8, scene.background)
+    nearest = min(CENTRE, key=lambda p: (CENTRE[p][0] - cx) ** 2 + (CENTRE[p][1] - cy) ** 2)
+    return drawn_as_said(uint8, scene), nearest == scene.position
 
 
 class Run:

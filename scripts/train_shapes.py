@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.embedded.diffusion import LIBRARIES, TRAINED_PATH, weights_fingerprint
-from stages.embedded.shapes import HELD_OUT, SIZES, Scene
+from stages.embedded.shapes import SIZES
+from training.scenes import HELD_OUT, Scene
 from training.shapes import TrainingPlan, hit_rate, train
 
 RECORD = "training.json"
@@ -33,7 +34,7 @@ SEEDS = list(range(10))
 
 def quality(directory: Path) -> dict[str, float]:
     """Hit rates over 8 held-out (shape, colour, background) triples, 10 seeds each: the background alone, and
-    background and shape colour together at each size (`stages.embedded.shapes.drawn_as_said`)."""
+    background and shape colour together at each size (`training.scenes.drawn_as_said`)."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(directory, local_files_only=True)

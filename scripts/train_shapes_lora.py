@@ -5,7 +5,7 @@
 
 Two CPU threads, seeded (AdapterPlan). The adapter's directory gets `training.json`: the plan, the loss, the time it
 took, the library versions, the file's sha256 and what it does, measured: the share of held-out prompts drawn as a
-pair (`stages.embedded.shapes.drawn_twice`) with the adapter at scale 1, and without it.
+pair (`training.scenes.drawn_twice`) with the adapter at scale 1, and without it.
 """
 
 from __future__ import annotations

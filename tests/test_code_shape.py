@@ -140,8 +140,6 @@ LOCAL_IMPORTS_ALLOWED = {
     "stages.diffusion.self_audit": "the same: its control swaps the kernels (torch, the C++ build), which load in a "
     "diffusion replica only",
     "stages.scope": "the same: the kernels' module (torch, the C++ build) loads only where a configuration is described",
-    "stages.embedded.shapes": "the image model's word list is read by the LLM stage too, which never loads diffusers "
-    "(the tokenizer's byte-level vocabulary lives beside the diffusion loader)",
     "stages.kernels.vllm_cpu": "vLLM imports this plugin in every process it starts; the kernels (torch, the C++ "
     "build) load only where the LLM stage turned invariance on",
     "bench": "a benchmark loads what it measures (a stage: torch, vLLM; an app: Ray Serve) when it runs; every "

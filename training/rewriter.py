@@ -62,7 +62,8 @@ from stages.embedded.llm import (
     byte_level_tokenizer,
     weights_fingerprint,
 )
-from stages.embedded.shapes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, with_article
+from stages.embedded.shapes import COLOURS, POSITIONS, SHAPES, SIZES
+from training.scenes import Scene, with_article
 
 #: Where the committed, trained model lives.
 RECORD = "training.json"

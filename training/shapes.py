@@ -30,7 +30,7 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from stages.embedded.shapes import Scene, background_as_said, drawn_as_said, training_scenes, word_tokenizer
+from training.scenes import Scene, background_as_said, drawn_as_said, training_scenes, word_tokenizer
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline

@@ -28,7 +28,7 @@ from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 
 from stages.diffusion.lora import RowLora, load_adapter
 from stages.embedded.diffusion import load_tiny_pipeline
-from stages.embedded.shapes import _TRIPLES, HELD_OUT, Scene, drawn_twice
+from training.scenes import _TRIPLES, HELD_OUT, Scene, drawn_twice
 from training.shapes import SCHEDULE, _target, _update, caption_ids, draw
 
 #: The module paths' endings the adapter adapts: every attention and feed-forward projection of the UNet.

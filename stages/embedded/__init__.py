@@ -7,7 +7,7 @@ trained by the project (`training.shapes`, `training.rewriter`), committed.
 
     EMBEDDED_MODELS   id -> (stage, recipe): every embedded model, by the id a config or request names
     DEFAULT_MODELS    the stage defaults (a config's `model: null`); both are trained, not random, committed with
-                      their training records: the diffusion default draws shapes (`stages.embedded.shapes`), the LLM
+                      their training records: the diffusion default draws shapes (`training.scenes`), the LLM
                       default rewrites free prompts into their words and chats (`training.rewriter`)
     build_cached      the one cache builder: build aside, marker last, one atomic rename
 """

@@ -576,7 +576,7 @@ def _tiny_vae(**latent_layout: Any) -> AutoencoderKL:
     )
 
 
-def _byte_level_vocab() -> dict[str, int]:
+def byte_level_vocab() -> dict[str, int]:
     """CLIP's vocabulary layout without learned merges: 256 byte symbols, their end-of-word forms, then specials."""
     # GPT-2/CLIP byte-to-unicode table: printable bytes map to themselves, the rest to code points from 256 up.
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -588,11 +588,11 @@ def _byte_level_vocab() -> dict[str, int]:
 
 def _byte_level_clip_tokenizer() -> CLIPTokenizer:
     # No merges: every character is one token; any text tokenizes, long prompts truncate to 77.
-    return CLIPTokenizer(vocab=_byte_level_vocab(), merges=[], model_max_length=MAX_PROMPT_TOKENS)
+    return CLIPTokenizer(vocab=byte_level_vocab(), merges=[], model_max_length=MAX_PROMPT_TOKENS)
 
 
 def _clip_config(projection_dim: int | None = None) -> CLIPTextConfig:
-    vocab = _byte_level_vocab()
+    vocab = byte_level_vocab()
     extra: dict[str, Any] = {} if projection_dim is None else {"projection_dim": projection_dim}
     return CLIPTextConfig(
         vocab_size=len(vocab),

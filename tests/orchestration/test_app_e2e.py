@@ -136,8 +136,8 @@ def test_the_default_draws_the_prompt_and_the_rewrite_changes_what_it_draws(http
     import numpy as np
     from PIL import Image
 
-    from stages.embedded.shapes import CENTRE, Scene, centroid, drawn_area, drawn_as_said
     from training.rewriter import keeps_words
+    from training.scenes import CENTRE, Scene, centroid, drawn_area, drawn_as_said
 
     from .test_rewriter_http import CAPTION
 
@@ -167,7 +167,7 @@ def test_the_served_default_draws_a_red_circle_on_a_blue_background_where_it_is_
     import numpy as np
     from PIL import Image
 
-    from stages.embedded.shapes import CENTRE, centroid, colour_share
+    from training.scenes import CENTRE, centroid, colour_share
 
     prompt, seeds = "a red circle on a blue background", range(10)
     middle, corners = np.zeros((64, 64), bool), np.zeros((64, 64), bool)

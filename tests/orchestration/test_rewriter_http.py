@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from training.rewriter import HELD_OUT_PROMPTS, chat_examples, keeps_words, rewrite_examples, words_of
-from stages.embedded.shapes import Scene, background_as_said, drawn_as_said
+from training.scenes import Scene, background_as_said, drawn_as_said
 
 from .conftest import TIMEOUT_S
 from .test_app_e2e import concurrently

@@ -11,10 +11,10 @@ import pytest
 
 from contracts.sampling import DiffusionSamplingParams, LoraChoice
 from stages.embedded import DEFAULT_MODELS, embedded_adapters
-from stages.embedded.shapes import drawn_as_said, drawn_twice
 from stages.embedded.diffusion import ADAPTERS_PATH
-from training.shapes_lora import AdapterPlan, held_out_pairs, train_adapter
 from stages.kernels import disable_batch_invariant_kernels
+from training.scenes import drawn_as_said, drawn_twice
+from training.shapes_lora import AdapterPlan, held_out_pairs, train_adapter
 
 SEEDS = (0, 1, 2)
 

@@ -17,10 +17,9 @@ from stages.diffusion import load_pipeline
 from stages.embedded import DEFAULT_MODELS, EMBEDDED_MODELS, embedded_models
 from stages.embedded.diffusion import TRAINED_PATH, weights_fingerprint
 from stages.embedded.llm import StyleEnhancement
-from stages.embedded.shapes import (
-    COLOURS,
+from stages.embedded.shapes import COLOURS, SHAPES
+from training.scenes import (
     HELD_OUT,
-    SHAPES,
     WORDS,
     Scene,
     background_phrase,
