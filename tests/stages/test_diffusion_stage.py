@@ -154,7 +154,11 @@ def test_a_family_from_a_model_directory_cobatched_with_unlike_neighbours_gives_
 
     directory = str(tiny_pipeline_path(kind))  # as save_pretrained wrote it: what a downloaded checkpoint looks like
     name = f"{kind}-{'on' if batch_invariant else 'control'}"
-    with deployed(name, directory, batch_invariant=batch_invariant, max_batch_size=5) as handle:
+    # The replica's default size is the first side the test renders, not the pipeline's 512x512 (FLUX, Qwen-Image):
+    # its start-up self-audit renders at the default size (stages.diffusion.self_audit), and at 512x512 that took
+    # most of these tests' time (qwen-on 84 s, flux-on 43 s alone on a 2-core EPYC).
+    defaults = {"height": SIDES[0], "width": SIDES[0]}
+    with deployed(name, directory, batch_invariant=batch_invariant, max_batch_size=5, defaults=defaults) as handle:
         described = handle.describe.remote().result(timeout_s=60)
         assert described.model == directory and described.details["batching"]["mode"] == "step"
         # FLUX and Qwen-Image: the smaller one shares forwards.
